@@ -1,0 +1,64 @@
+"""The `beamsplit` command line: one subcommand per job, each in its own module.
+
+Modules are imported only when their subcommand runs, so `beamsplit --help` stays fast and a
+missing optional dependency only affects the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    from beamsplit import generate_args
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate beams for one prompt, in-process or against a running server (--target)",
+        description="Generate beams for one prompt. Without --target the engine runs in this process; "
+        "with --target HOST:PORT the request goes to a coordinator or aggregated server.",
+    )
+    generate_args.add_arguments(parser)
+    parser.set_defaults(handler=generate_args.run)
+
+
+def _add_optional(subparsers: argparse._SubParsersAction, module_name: str) -> None:
+    """Subcommands whose module registers its own parser (`register(subparsers)`)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"beamsplit.{module_name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"beamsplit.{module_name}":
+            raise
+        return
+    module.register(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="beamsplit",
+        description="Disaggregated LLM inference with exact beam search.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    _add_generate(subparsers)
+    for module_name in ("serve", "demo", "bench"):
+        _add_optional(subparsers, module_name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

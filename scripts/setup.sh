@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs beamsplit with its test extras.
+# CPU machines get torch 2.13.0 (the pin in pyproject.toml); on a GPU host install the CUDA build
+# of the same version into .venv first and this script keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+echo "[setup] installing beamsplit and its test extras (first run: a few minutes)"
+.venv/bin/python -m pip install -q -e '.[test]'
+echo "[setup] done"

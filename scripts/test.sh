@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite: install, lint (ruff), types (mypy), import contracts, then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+echo "[test] ruff"; .venv/bin/ruff check .
+echo "[test] mypy"; .venv/bin/mypy
+echo "[test] import contracts"; .venv/bin/lint-imports
+echo "[test] pytest"; .venv/bin/python -m pytest -q "$@"
