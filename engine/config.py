@@ -1,0 +1,98 @@
+"""Frozen, validated configuration of the engine's parts.
+
+Each config checks itself on construction and is never mutated; a value learnt at run time makes
+a new config with `dataclasses.replace`. Errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    tokens_per_block: int = 32
+    num_blocks: int = 2048
+    enable_partial_reuse: bool = False
+    enable_partial_commit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"tokens_per_block must be one of {SUPPORTED_BLOCK_SIZES}, got {self.tokens_per_block}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    max_num_seqs: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    @property
+    def supports_beam_search(self) -> bool:
+        # A published non-full block would be shared by beams that then write into it.
+        return not self.cache.enable_partial_commit
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    beam_width: int = 1
+    max_new_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    eos_token_id: int | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    MAX_BEAM_WIDTH = 64
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= self.MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {self.MAX_BEAM_WIDTH}], got {self.beam_width}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.eos_token_id is not None and self.eos_token_id < 0:
+            raise ValueError(f"eos_token_id must be >= 0, got {self.eos_token_id}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > 0 and self.beam_width > 1:
+            raise ValueError("temperature > 0 (sampling) needs beam_width 1")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def num_candidates(self) -> int:
+        """First-step candidates a context worker sends: enough to start beam search exactly."""
+        return 2 * self.beam_width if self.beam_width > 1 else 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.beam_width == 1 and self.temperature == 0
+
+
+def check_engine_params(config: EngineConfig, params: SamplingParams) -> None:
+    if params.beam_width > 1 and not config.supports_beam_search:
+        raise ValueError("beam search needs enable_partial_commit off (cache.enable_partial_commit=True)")

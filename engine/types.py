@@ -1,0 +1,52 @@
+"""Plain records the engine hands to its callers (workers, the command line, tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Beam:
+    token_ids: list[int]  # generated tokens only, ending with eos when the beam stopped on it
+    cumulative_logprob: float
+    score: float  # what transformers reports as sequences_scores
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[list[int]]  # per live beam: tokens decided since the previous output
+    finished: bool
+    beams: list[Beam] = field(default_factory=list)  # best first, filled when finished
+    stats: dict[str, float | int] = field(default_factory=dict)
+    error: str | None = None  # set when the engine had to drop the request
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    block_ids: list[int]  # ceil(P / T) blocks holding the prompt's KV, pinned until released
+    prompt_len: int
+    candidate_ids: list[int]  # top next tokens of the last prompt position, best first
+    candidate_logprobs: list[float]  # float64 log_softmax of the logits, same order
+    reused_tokens: int
+
+
+@dataclass(frozen=True)
+class PromptReservation:
+    request_id: str
+    block_ids: list[int]  # ceil(P / T) blocks for the prompt, owned by the request
+    num_cached_blocks: int  # block_ids[num_cached_blocks:] must be filled by a pull
+
+    @property
+    def missing_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_cached_blocks :]
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    address: int  # data_ptr of page 0
+    page_bytes: int  # one block across all layers, K and V
+    num_pages: int
+    device: str
