@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (scripts/gen_proto.sh); never edit by hand."""
