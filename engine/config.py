@@ -22,7 +22,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.tokens_per_block not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(f"tokens_per_block must be one of {SUPPORTED_BLOCK_SIZES}, got {self.tokens_per_block}")
+            raise ValueError(
+                f"tokens_per_block must be one of {SUPPORTED_BLOCK_SIZES}, got {self.tokens_per_block}"
+            )
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
@@ -56,7 +58,7 @@ class SamplingParams:
     beam_width: int = 1
     max_new_tokens: int = 16
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: bool | str = False  # True, False (transformers' default) or "never"
     eos_token_id: int | None = None
     temperature: float = 0.0
     top_k: int = 0
@@ -72,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.eos_token_id is not None and self.eos_token_id < 0:
             raise ValueError(f"eos_token_id must be >= 0, got {self.eos_token_id}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -85,8 +89,13 @@ class SamplingParams:
 
     @property
     def num_candidates(self) -> int:
-        """First-step candidates a context worker sends: enough to start beam search exactly."""
-        return 2 * self.beam_width if self.beam_width > 1 else 1
+        """First-step candidates a context worker sends: enough to start decoding exactly.
+
+        Beam search needs the top 2W, greedy the top 1, sampling its top-k (0: the whole vocabulary).
+        """
+        if self.beam_width > 1:
+            return 2 * self.beam_width
+        return 1 if self.is_greedy else self.top_k
 
     @property
     def is_greedy(self) -> bool:

@@ -1,0 +1,219 @@
+"""Beam search for one request, step for step the algorithm of transformers' `generate`.
+
+The state machine is pure: it never sees the model or the KV cache. Each step takes the running
+beams' next-token log-probs and answers which (parent beam, token) pairs continue; the engine then
+reorders its block tables accordingly. The first step starts from the top-2W candidates of the
+last prompt position, the same input a context worker ships, so an aggregated run and a
+disaggregated one go through identical arithmetic.
+
+Semantics copied from transformers 5.24 `GenerationMixin._beam_search` (batch of one request):
+- Arithmetic is float32, as transformers casts the logits to float32 before `log_softmax`; the
+  -1e9 masks, the length normalisation and every top-k run on the same shapes and dtypes, so ties
+  and roundings come out the same.
+- Each step keeps the top 2W continuations of running-score + log-prob over all (beam, token).
+  Of those, candidates that end (eos, or max_new_tokens reached) and rank in the top W become
+  finished hypotheses scored `sum_logprob / num_generated ** length_penalty`, where
+  `num_generated` counts the generated tokens including the eos. The best W non-ending
+  candidates run on.
+- Finished hypotheses keep the best W (`sequences_scores` is that score).
+- Stop when: all candidates ended (max length); or early_stopping is True and W hypotheses are
+  finished; or the heuristic finds no running beam able to beat the worst finished one, using
+  the current generated length (early_stopping False) or, for "never" with length_penalty > 0,
+  max_new_tokens.
+
+Dimensions: W beams, V vocabulary, K = 2W candidates, M = max_new_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.types import Beam
+
+MASK = -1.0e9  # what transformers adds to rule a candidate out
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_new_tokens: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+
+    @property
+    def num_candidates(self) -> int:
+        return 2 * self.beam_width
+
+
+@dataclass(frozen=True)
+class BeamStep:
+    """What the engine does after one step: running beam i continues parent_indices[i] with token_ids[i]."""
+
+    parent_indices: list[int]  # [W] indices into the previous step's running beams
+    token_ids: list[int]  # [W]
+    is_done: bool  # no further forward pass is needed
+
+
+class BeamSearch:
+    """The beam state of one request. Not thread-safe; one step at a time."""
+
+    def __init__(self, params: BeamSearchParams) -> None:
+        self.params = params
+        width, max_new = params.beam_width, params.max_new_tokens
+        self.num_steps = 0
+        self.is_done = False
+        # Running beams, best first.
+        self.running_tokens = torch.zeros((1, width, max_new), dtype=torch.int64)  # [1, W, M]
+        self.running_scores = torch.zeros((1, width), dtype=torch.float32)  # [1, W] summed log-probs
+        # Finished hypotheses, best first; slots not yet filled score MASK.
+        self.finished_tokens = torch.zeros((1, width, max_new), dtype=torch.int64)  # [1, W, M]
+        self.finished_scores = torch.full((1, width), MASK, dtype=torch.float32)  # [1, W] normalised
+        self.finished_logprobs = torch.zeros((1, width), dtype=torch.float32)  # [1, W] summed log-probs
+        self.finished_lens = torch.zeros((1, width), dtype=torch.int64)  # [1, W]
+        self.is_finished = torch.zeros((1, width), dtype=torch.bool)  # [1, W]
+        self.can_improve = torch.ones((1, 1), dtype=torch.bool)  # transformers' heuristic flag
+        self.top_width_mask = torch.arange(params.num_candidates) < width  # [K]
+
+    def start(self, candidate_ids: list[int], candidate_logprobs: list[float]) -> BeamStep:
+        """First step, from the prompt's top-K next tokens (best first) instead of a [W, V] row."""
+        if len(candidate_ids) < self.params.num_candidates or len(candidate_ids) != len(candidate_logprobs):
+            raise ValueError(
+                f"beam search needs {self.params.num_candidates} candidates, got {len(candidate_ids)} ids "
+                f"and {len(candidate_logprobs)} log-probs"
+            )
+        count = self.params.num_candidates
+        logprobs = torch.tensor([candidate_logprobs[:count]], dtype=torch.float32)  # [1, K]
+        token_ids = torch.tensor([candidate_ids[:count]], dtype=torch.int64)  # [1, K]
+        # Only running beam 0 exists before the first step (transformers masks the others by -1e9).
+        order = torch.topk(logprobs, k=count)[1]  # [1, K]
+        parents = torch.zeros_like(order)
+        return self._advance(logprobs.gather(1, order), parents, token_ids.gather(1, order))
+
+    def step(self, logprobs: torch.Tensor) -> BeamStep:
+        """logprobs: [W, V] float32 log_softmax of the running beams' last logits, in running order."""
+        if self.num_steps == 0:
+            raise RuntimeError("call start() with the prompt's candidates first")
+        if self.is_done:
+            raise RuntimeError("beam search already finished")
+        width = self.params.beam_width
+        vocab_size = logprobs.shape[-1]
+        accumulated = logprobs.to(torch.float32).unsqueeze(0) + self.running_scores[:, :, None]  # [1, W, V]
+        accumulated = accumulated.reshape(1, width * vocab_size)  # [1, W*V]
+        top_logprobs, top_indices = torch.topk(accumulated, k=self.params.num_candidates)  # [1, K]
+        return self._advance(top_logprobs, top_indices // vocab_size, top_indices % vocab_size)
+
+    def _advance(self, top_logprobs: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> BeamStep:
+        """top_logprobs, parents, tokens: [1, K], sorted best first."""
+        params = self.params
+        width, step_index = params.beam_width, self.num_steps
+        num_generated = step_index + 1
+        candidate_tokens = self.running_tokens.gather(
+            1, parents[:, :, None].expand(-1, -1, params.max_new_tokens)
+        ).clone()  # [1, K, M]
+        candidate_tokens[:, :, step_index] = tokens
+        hits_stop = self._hits_stop(tokens, num_generated)  # [1, K]
+
+        # Running beams for the next step: the best W candidates that did not end.
+        running_logprobs = top_logprobs + hits_stop.to(torch.float32) * MASK
+        next_order = torch.topk(running_logprobs, k=width)[1]  # [1, W]
+        self.running_tokens = candidate_tokens.gather(
+            1, next_order[:, :, None].expand_as(self.running_tokens)
+        )
+        self.running_scores = running_logprobs.gather(1, next_order)
+        parent_indices = parents.gather(1, next_order)
+        token_ids = tokens.gather(1, next_order)
+
+        self._update_finished(top_logprobs, candidate_tokens, hits_stop, num_generated)
+        self.num_steps = num_generated
+        self._update_can_improve(num_generated)
+        self.is_done = not self._has_unfinished(hits_stop)
+        return BeamStep(parent_indices[0].tolist(), token_ids[0].tolist(), self.is_done)
+
+    def _hits_stop(self, tokens: torch.Tensor, num_generated: int) -> torch.Tensor:
+        if num_generated >= self.params.max_new_tokens:
+            return torch.ones_like(tokens, dtype=torch.bool)
+        if self.params.eos_token_id is None:
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        return tokens == self.params.eos_token_id
+
+    def _update_finished(
+        self,
+        top_logprobs: torch.Tensor,
+        candidate_tokens: torch.Tensor,
+        hits_stop: torch.Tensor,
+        num_generated: int,
+    ) -> None:
+        params = self.params
+        # Only the top W candidates may finish; the other W exist so that W beams can run on.
+        just_finished = hits_stop & self.top_width_mask[None, :]  # [1, K]
+        scores = top_logprobs / (num_generated**params.length_penalty)
+        is_full = torch.all(self.is_finished, dim=-1, keepdim=True) & (params.early_stopping is True)
+        scores += is_full.to(torch.float32) * MASK
+        scores += (~self.can_improve).to(torch.float32) * MASK
+        scores += (~just_finished) * MASK
+
+        merged_scores = torch.cat((self.finished_scores, scores), dim=1)  # [1, W+K]
+        order = torch.topk(merged_scores, k=params.beam_width)[1]  # [1, W]
+        merged_tokens = torch.cat((self.finished_tokens, candidate_tokens), dim=1)  # [1, W+K, M]
+        candidate_lens = torch.full_like(hits_stop, num_generated, dtype=torch.int64)
+        merged_lens = torch.cat((self.finished_lens, candidate_lens), dim=1)
+        merged_logprobs = torch.cat((self.finished_logprobs, top_logprobs), dim=1)
+        merged_is_finished = torch.cat((self.is_finished, just_finished), dim=1)
+        self.finished_tokens = merged_tokens.gather(1, order[:, :, None].expand_as(self.finished_tokens))
+        self.finished_scores = merged_scores.gather(1, order)
+        self.finished_logprobs = merged_logprobs.gather(1, order)
+        self.finished_lens = merged_lens.gather(1, order)
+        self.is_finished = merged_is_finished.gather(1, order)
+
+    def _update_can_improve(self, num_generated: int) -> None:
+        params = self.params
+        if params.early_stopping == "never" and params.length_penalty > 0.0:
+            best_length = params.max_new_tokens
+        else:
+            best_length = num_generated
+        best_running = self.running_scores[:, :1] / (best_length**params.length_penalty)
+        worst_finished = torch.where(
+            self.is_finished, torch.min(self.finished_scores, dim=1, keepdim=True)[0], MASK
+        )
+        self.can_improve = self.can_improve & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+
+    def _has_unfinished(self, hits_stop: torch.Tensor) -> bool:
+        exists_open_slot = not (bool(torch.all(self.is_finished)) and self.params.early_stopping is True)
+        return bool(self.can_improve.all()) and exists_open_slot and not bool(torch.all(hits_stop))
+
+    def final_beams(self) -> list[Beam]:
+        """The W finished hypotheses, best first (only meaningful once is_done)."""
+        beams = []
+        for slot in range(self.params.beam_width):
+            num_tokens = int(self.finished_lens[0, slot])
+            token_ids = self.finished_tokens[0, slot, :num_tokens].tolist()
+            score = float(self.finished_scores[0, slot])
+            stopped = (
+                self.params.eos_token_id is not None
+                and num_tokens > 0
+                and token_ids[-1] == self.params.eos_token_id
+            )
+            beams.append(
+                Beam(
+                    token_ids=token_ids,
+                    cumulative_logprob=float(self.finished_logprobs[0, slot]),
+                    score=score,
+                    finish_reason="stop" if stopped else "length",
+                )
+            )
+        return beams
+
+    def running_token_ids(self) -> list[list[int]]:
+        """[W] lists: the tokens each running beam generated so far."""
+        return self.running_tokens[0, :, : self.num_steps].tolist()
