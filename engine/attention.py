@@ -1,0 +1,166 @@
+"""Paged attention over the KV pool, for any mix of prefill and decode sequences in one batch.
+
+Dimensions: B sequences, N new tokens in the batch (all sequences), Q most new tokens of one
+sequence, M most blocks of one sequence, T tokens per block, K = M * T key slots per sequence,
+H query heads, Hkv key/value heads, G = H / Hkv query heads per kv head, D head dim.
+
+Token layout of one sequence b with c cached and n new tokens (positions):
+
+    0 ........ c-1 | c ........ c+n-1
+    already in pool | new: written to the pool, then each attends to [0, its position]
+
+`prepare_attention` packs the batch into tensors once per step; every layer reuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_pool import KEY, VALUE
+
+# (block_ids, num_cached_tokens, num_new_tokens) of one sequence
+SequenceSpec = tuple[Sequence[int], int, int]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    tokens_per_block: int
+    slot_mapping: torch.Tensor  # [N] block_id * T + offset where each new token's K/V goes
+    positions: torch.Tensor  # [N] position of each new token in its sequence
+    block_tables: torch.Tensor  # [B, M] block ids, padded with 0 (padding is masked out)
+    context_lens: torch.Tensor  # [B] cached + new tokens
+    query_start_loc: torch.Tensor  # [B+1] sequence b's new tokens are [start[b], start[b+1])
+    logits_indices: torch.Tensor  # [B] index in [0, N) of each sequence's last new token
+    query_seq_ids: torch.Tensor  # [N] sequence of each new token
+    query_offsets: torch.Tensor  # [N] index of each new token among its sequence's new tokens
+    key_mask: torch.Tensor  # [B, Q, K] bool: padded query q of sequence b may see key slot k
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def num_new_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def prepare_attention(
+    seqs: Sequence[SequenceSpec], tokens_per_block: int, device: torch.device | str
+) -> AttentionMetadata:
+    if not seqs:
+        raise ValueError("seqs must hold at least one sequence")
+    slots: list[int] = []
+    positions: list[int] = []
+    query_seq_ids: list[int] = []
+    query_offsets: list[int] = []
+    query_start_loc = [0]
+    context_lens: list[int] = []
+    for seq_index, (block_ids, num_cached_tokens, num_new_tokens) in enumerate(seqs):
+        context_len = num_cached_tokens + num_new_tokens
+        if num_new_tokens < 1 or num_cached_tokens < 0:
+            raise ValueError(
+                f"sequence {seq_index}: num_new_tokens must be >= 1 and num_cached_tokens >= 0, "
+                f"got {num_new_tokens} and {num_cached_tokens}"
+            )
+        if len(block_ids) * tokens_per_block < context_len:
+            raise ValueError(
+                f"sequence {seq_index}: {len(block_ids)} blocks of {tokens_per_block} cannot hold "
+                f"{context_len} tokens"
+            )
+        new_positions = range(num_cached_tokens, context_len)
+        slots.extend(
+            block_ids[p // tokens_per_block] * tokens_per_block + p % tokens_per_block for p in new_positions
+        )
+        positions.extend(new_positions)
+        query_seq_ids.extend([seq_index] * num_new_tokens)
+        query_offsets.extend(range(num_new_tokens))
+        query_start_loc.append(query_start_loc[-1] + num_new_tokens)
+        context_lens.append(context_len)
+
+    # Only the blocks the context actually spans are gathered; trailing reserved blocks are not.
+    max_blocks = max(-(-length // tokens_per_block) for length in context_lens)
+    block_table_rows = [
+        list(block_ids[:max_blocks]) + [0] * (max_blocks - min(len(block_ids), max_blocks))
+        for block_ids, _, _ in seqs
+    ]
+
+    def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    positions_tensor = as_tensor(positions)
+    query_seq_tensor = as_tensor(query_seq_ids)
+    query_offset_tensor = as_tensor(query_offsets)
+    start_tensor = as_tensor(query_start_loc)
+    max_query_len = max(
+        right - left for left, right in zip(query_start_loc, query_start_loc[1:], strict=False)
+    )
+
+    # A padded query slot keeps position 0, so it sees key 0 and its softmax stays finite;
+    # its output is never read.
+    padded_positions = torch.zeros((len(seqs), max_query_len), dtype=torch.long, device=device)  # [B, Q]
+    padded_positions[query_seq_tensor, query_offset_tensor] = positions_tensor
+    key_slots = torch.arange(max_blocks * tokens_per_block, device=device)  # [K]
+    key_mask = key_slots[None, None, :] <= padded_positions[:, :, None]  # [B, Q, K]
+
+    return AttentionMetadata(
+        tokens_per_block=tokens_per_block,
+        slot_mapping=as_tensor(slots),
+        positions=positions_tensor,
+        block_tables=as_tensor(block_table_rows),
+        context_lens=as_tensor(context_lens),
+        query_start_loc=start_tensor,
+        logits_indices=start_tensor[1:] - 1,
+        query_seq_ids=query_seq_tensor,
+        query_offsets=query_offset_tensor,
+        key_mask=key_mask,
+    )
+
+
+def write_kv(
+    kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata
+) -> None:
+    """Stores the new tokens' keys and values in the pool.
+
+    kv_layer [num_blocks, 2, T, Hkv, D] (a view of the pool), key and value [N, Hkv, D].
+    """
+    block_ids = metadata.slot_mapping // metadata.tokens_per_block  # [N]
+    offsets = metadata.slot_mapping % metadata.tokens_per_block  # [N]
+    # Indexing a view in place writes through to the pool's storage.
+    kv_layer[:, KEY][block_ids, offsets] = key
+    kv_layer[:, VALUE][block_ids, offsets] = value
+
+
+def paged_attention(
+    query: torch.Tensor, kv_layer: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """query [N, H, D] (rotary applied), kv_layer [num_blocks, 2, T, Hkv, D] already holding the
+    new tokens' K/V -> attention output [N, H, D]."""
+    num_seqs, max_query_len, num_key_slots = metadata.key_mask.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+
+    def gather(kind: int) -> torch.Tensor:
+        pages = kv_layer[:, kind][metadata.block_tables]  # [B, M, T, Hkv, D]
+        keys = pages.reshape(num_seqs, num_key_slots, num_kv_heads, head_dim)  # [B, K, Hkv, D]
+        return keys.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, K, D]
+
+    keys, values = gather(KEY), gather(VALUE)
+
+    padded = query.new_zeros((num_seqs, max_query_len, num_heads, head_dim))  # [B, Q, H, D]
+    padded[metadata.query_seq_ids, metadata.query_offsets] = query
+    # Query head h reads kv head h // G, as Hugging Face's repeat_kv does.
+    grouped = padded.view(num_seqs, max_query_len, num_kv_heads, group, head_dim)
+    grouped = grouped.permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, Q, K]
+    scores = scores.masked_fill(~metadata.key_mask[:, None, None], float("-inf"))
+    # bfloat16 scores are normalised in float32; float32 and float64 keep their own precision.
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(query.dtype)
+    output = torch.matmul(probs, values)  # [B, Hkv, G, Q, D]
+    output = output.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_query_len, num_heads, head_dim)
+    return output[metadata.query_seq_ids, metadata.query_offsets]  # [N, H, D]

@@ -1,0 +1,139 @@
+"""Builds a LlamaModel from a local Hugging Face directory, or the embedded `tiny` model.
+
+A directory holds `config.json`, one or more `*.safetensors` (sharded through
+`model.safetensors.index.json` or not) and optionally `tokenizer.json`. `tiny` needs no files:
+its weights come from a fixed seed on the CPU generator, so every process builds the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+TINY_MODEL_NAME = "tiny"
+TINY_SEED = 1234
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def tiny_model_config() -> ModelConfig:
+    tokenizer = ByteTokenizer()
+    return ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    name_or_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> tuple[LlamaModel, ModelConfig, Tokenizer]:
+    torch_dtype = resolve_dtype(dtype)
+    if str(name_or_dir) == TINY_MODEL_NAME:
+        config = tiny_model_config()
+        model = build_tiny_model(config)
+        tokenizer: Tokenizer = ByteTokenizer()
+    else:
+        model_dir = Path(name_or_dir)
+        config_file = model_dir / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"model {str(name_or_dir)!r}: no config.json in {model_dir} (and not 'tiny')"
+            )
+        config = ModelConfig.from_file(config_file)
+        model = build_model_from_checkpoint(config, model_dir)
+        tokenizer = load_tokenizer(model_dir, config.bos_token_id, config.eos_token_id)
+    model = model.to(dtype=torch_dtype, device=device).eval()
+    return model, config, tokenizer
+
+
+def build_tiny_model(config: ModelConfig) -> LlamaModel:
+    """Weights from one seeded CPU generator, drawn in parameter-name order, in float32.
+
+    Linear weights have std 1/sqrt(fan_in) and embeddings std 1, so the logits are far from
+    uniform and greedy and beam search have clear winners rather than near-ties.
+    """
+    model = LlamaModel(config)
+    generator = torch.Generator(device="cpu").manual_seed(TINY_SEED)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if name.endswith("norm.weight"):
+                values = 1.0 + 0.1 * torch.randn(parameter.shape, generator=generator)
+            elif name == "embed_tokens.weight":
+                values = torch.randn(parameter.shape, generator=generator)
+            else:
+                fan_in = parameter.shape[-1]
+                values = torch.randn(parameter.shape, generator=generator) / fan_in**0.5
+            parameter.copy_(values)
+    return model
+
+
+def build_model_from_checkpoint(config: ModelConfig, model_dir: Path) -> LlamaModel:
+    state = _read_checkpoint(model_dir)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        # Tied checkpoints usually omit lm_head; the embedding is the head either way.
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {model_dir} does not match the config: missing {missing}, unexpected {unexpected}"
+        )
+    for name, tensor in state.items():
+        expected_shape = tuple(model.get_parameter(name).shape)
+        if tuple(tensor.shape) != expected_shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, config says {expected_shape}"
+            )
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.is_file():
+        with open(index_file, encoding="utf-8") as file:
+            weight_map: dict[str, str] = json.load(file)["weight_map"]
+        files = sorted({model_dir / shard for shard in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for file_path in files:
+        for name, tensor in load_file(str(file_path), device="cpu").items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # older exports saved the rotary table; it is rebuilt from the config
+            state[name.removeprefix("model.")] = tensor
+    return state

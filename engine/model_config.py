@@ -1,0 +1,137 @@
+"""The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
+
+Only what the engine implements is accepted: anything else fails at load time with a message that
+names the config field, rather than producing a model that silently computes something else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# mistral with no sliding window is the llama architecture under another name; qwen2 is not
+# (biased q/k/v projections), so it is refused.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), got {value}")
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads that share one key/value head (1 for multi-head attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+            )
+        if model_type == "mistral" and raw.get("sliding_window") is not None:
+            raise ValueError(f"sliding_window={raw['sliding_window']} is not supported (needs null)")
+        _refuse_unless(raw, "hidden_act", ("silu",))
+        _refuse_unless(raw, "attention_bias", (False, None))
+        _refuse_unless(raw, "mlp_bias", (False, None))
+        _refuse_unless(raw, "pretraining_tp", (1, None))
+
+        num_attention_heads = int(raw["num_attention_heads"])
+        hidden_size = int(raw["hidden_size"])
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or num_attention_heads),
+            head_dim=int(raw.get("head_dim") or hidden_size // num_attention_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=_first_token_id(raw.get("bos_token_id")),
+            eos_token_id=_first_token_id(raw.get("eos_token_id")),
+            model_type=model_type,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        with open(path, encoding="utf-8") as file:
+            return cls.from_dict(json.load(file))
+
+
+def _refuse_unless(raw: dict[str, Any], name: str, allowed: tuple[object, ...]) -> None:
+    if name in raw and raw[name] not in allowed:
+        raise ValueError(f"{name}={raw[name]!r} is not supported (supported: {allowed})")
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    # transformers 5 writes `rope_parameters` {rope_type, rope_theta}; older files write
+    # `rope_theta` at top level and an optional `rope_scaling` {type|rope_type, factor, ...}.
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(name)
+        if rope is None:
+            continue
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"{name}.rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
+        if "rope_theta" in rope:
+            return float(rope["rope_theta"])
+    return float(raw.get("rope_theta", 10000.0))
+
+
+def _first_token_id(value: int | list[int] | None) -> int | None:
+    # Llama 3 lists several end tokens; the engine stops on one, the first (what HF reports first).
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)

@@ -1,0 +1,123 @@
+"""Text to token ids and back.
+
+`HFTokenizer` wraps a `tokenizer.json` through the `tokenizers` library; `ByteTokenizer` is the
+fallback for a model directory without one (and for the embedded `tiny` model): ids 0..255 are
+the bytes of the UTF-8 text, followed by a few special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as RawTokenizer
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Byte-level: token i < 256 is byte i. Specials come after the bytes and decode to nothing."""
+
+    NUM_BYTES = 256
+    BOS_TOKEN_ID = 256
+    EOS_TOKEN_ID = 257
+    PAD_TOKEN_ID = 258
+    UNK_TOKEN_ID = 259
+    VOCAB_SIZE = 260
+
+    @property
+    def vocab_size(self) -> int:
+        return self.VOCAB_SIZE
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS_TOKEN_ID
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.EOS_TOKEN_ID
+
+    def encode(self, text: str) -> list[int]:
+        # No BOS is added: encode/decode round-trips, and callers that want one prepend it.
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        data = bytes(token_id for token_id in token_ids if 0 <= token_id < self.NUM_BYTES)
+        # A beam may stop in the middle of a multi-byte character.
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizer.json`; special tokens are added on encode as the file's post-processor says."""
+
+    def __init__(self, tokenizer: RawTokenizer, bos_token_id: int | None, eos_token_id: int | None) -> None:
+        self._tokenizer = tokenizer
+        self._bos_token_id = bos_token_id
+        self._eos_token_id = eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def load_tokenizer(model_dir: str | Path, bos_token_id: int | None, eos_token_id: int | None) -> Tokenizer:
+    """`tokenizer.json` when the directory has one, the byte-level fallback otherwise.
+
+    The model config's bos/eos ids win; `tokenizer_config.json` fills them in when the config has none.
+    """
+    model_dir = Path(model_dir)
+    tokenizer_file = model_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return ByteTokenizer()
+    raw = RawTokenizer.from_file(str(tokenizer_file))
+    bos_text, eos_text = _special_token_texts(model_dir / "tokenizer_config.json")
+    if bos_token_id is None and bos_text is not None:
+        bos_token_id = raw.token_to_id(bos_text)
+    if eos_token_id is None and eos_text is not None:
+        eos_token_id = raw.token_to_id(eos_text)
+    return HFTokenizer(raw, bos_token_id, eos_token_id)
+
+
+def _special_token_texts(path: Path) -> tuple[str | None, str | None]:
+    if not path.is_file():
+        return None, None
+    with open(path, encoding="utf-8") as file:
+        raw = json.load(file)
+
+    def text(value: object) -> str | None:
+        # Either a plain string or an AddedToken dict {"content": ...}.
+        if isinstance(value, dict):
+            content = value.get("content")
+            return content if isinstance(content, str) else None
+        return value if isinstance(value, str) else None
+
+    return text(raw.get("bos_token")), text(raw.get("eos_token"))
