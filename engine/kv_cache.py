@@ -1,0 +1,284 @@
+"""The engine's logical KV cache: block tables per sequence over a shared, ref-counted pool.
+
+Plain Python (no torch). `KVCacheManager` decides which block every token's KV lives in; the
+physical pool (`kv_pool.py`) only executes the `CopyOp`s it returns. Rules it keeps:
+- a block with more than one reference is full and never written again;
+- a sequence only writes into its own last block, which is private (reference count 1);
+- a partly reused block is copied into a private block before anything writes there
+  (copy-on-write); apply the returned copies before the next forward pass and before the next
+  call that allocates, since the copy source may be an unreferenced cached block;
+- every operation that takes blocks is all-or-nothing: `OutOfBlocksError` leaves the cache
+  exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.block_allocator import BlockAllocator, OutOfBlocksError
+from engine.config import CacheConfig
+from engine.prefix_tree import ROOT_KEY, PrefixTree, block_key
+
+__all__ = [
+    "BlockTable",
+    "CopyOp",
+    "KVCacheManager",
+    "KVCacheStats",
+    "OutOfBlocksError",
+    "PromptAllocation",
+    "num_distinct_blocks",
+]
+
+
+@dataclass
+class BlockTable:
+    """One sequence (a prompt or one beam); slots 0..num_tokens-1 are assigned.
+
+    Invariant: len(block_ids) == ceil(num_tokens / T).
+    """
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    """The pool copies block `src_block` into block `dst_block` (whole block)."""
+
+    src_block: int
+    dst_block: int
+
+
+@dataclass(frozen=True)
+class PromptAllocation:
+    table: BlockTable  # num_tokens == len(prompt)
+    num_cached_tokens: int  # leading tokens whose KV is already there: skip them in prefill
+    num_cached_blocks: int  # leading full blocks shared from the tree
+    copies: list[CopyOp]  # copy-on-write of a partly reused block; apply before prefill
+
+
+@dataclass
+class KVCacheStats:
+    reused_tokens: int = 0  # prompt tokens found in the tree, summed over allocate_prompt calls
+    new_blocks: int = 0  # blocks taken from the pool: fresh prompt blocks, copy targets, growth
+    copied_blocks: int = 0  # CopyOps issued (copy-on-write and beam forks)
+    peak_blocks_in_use: int = 0  # most blocks referenced at once since construction
+
+
+def num_distinct_blocks(tables: Iterable[BlockTable]) -> int:
+    """Blocks held by a group of tables (one request's beams), shared blocks counted once."""
+    return len({block_id for table in tables for block_id in table.block_ids})
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.tree = PrefixTree(config.tokens_per_block)
+        self.allocator = BlockAllocator(config.num_blocks, on_evict=self.tree.evict)
+        self.stats = KVCacheStats()
+
+    # -- queries -----------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        """Free plus evictable cached blocks."""
+        return self.allocator.num_free_blocks()
+
+    def num_blocks_in_use(self) -> int:
+        """Referenced blocks; unreferenced cached blocks do not count."""
+        return self.allocator.num_blocks_in_use()
+
+    def blocks_needed(self, prompt_len: int, total_len: int, beam_width: int, reused_blocks: int = 0) -> int:
+        """Upper bound on the blocks one request takes from the pool (DESIGN.md admission).
+
+        floor(P/T) full prompt blocks are shared by all beams; each of W beams owns the rest of
+        its ceil(S/T) blocks, the partial prompt tail included (copied per beam).
+        """
+        size = self.tokens_per_block
+        num_shared = prompt_len // size
+        num_per_beam = -(-max(total_len, prompt_len) // size) - num_shared
+        return num_shared + beam_width * num_per_beam - reused_blocks
+
+    # -- prompt ------------------------------------------------------------------------------
+    def allocate_prompt(
+        self, token_ids: list[int], salt: bytes = b"", allow_partial_reuse: bool | None = None
+    ) -> PromptAllocation:
+        """Blocks for a prompt, reusing what the tree holds. All-or-nothing.
+
+        The lookup uses token_ids[:-1]: the last prompt token is always recomputed, so its
+        logits exist and the block it lands in is always fresh.
+
+            token      0 ........ k*T           k*T + m        P-1  P
+            table      [ shared full blocks ][ copy | fresh ...          ]
+                       num_cached_blocks = k  m tokens reused from a partly shared block
+                       num_cached_tokens = k*T + m
+        """
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        if allow_partial_reuse is None:
+            allow_partial_reuse = self.config.enable_partial_reuse
+        match = self.tree.match(token_ids[:-1], salt, allow_partial_reuse)
+        num_blocks = -(-len(token_ids) // self.tokens_per_block)
+        num_fresh = num_blocks - len(match.block_ids)
+        # The copy source is held for the duration of the call so no eviction below takes it.
+        held_ids = list(match.block_ids)
+        if match.partial_block_id is not None:
+            held_ids.append(match.partial_block_id)
+        num_held_evictable = sum(1 for block_id in held_ids if self.allocator.ref_count(block_id) == 0)
+        num_available = self.allocator.num_free_blocks() - num_held_evictable
+        if num_fresh > num_available:
+            raise OutOfBlocksError(f"prompt needs {num_fresh} new blocks, {num_available} available")
+        for block_id in held_ids:
+            self.allocator.incref(block_id)
+        fresh_ids = self.allocator.allocate(num_fresh)
+        copies: list[CopyOp] = []
+        if match.partial_block_id is not None:
+            copies.append(CopyOp(match.partial_block_id, fresh_ids[0]))
+            self.allocator.decref(match.partial_block_id)
+        table = BlockTable(match.block_ids + fresh_ids, len(token_ids))
+        self.stats.reused_tokens += match.num_matched_tokens
+        self.stats.new_blocks += num_fresh
+        self.stats.copied_blocks += len(copies)
+        self._track_peak()
+        return PromptAllocation(table, match.num_matched_tokens, len(match.block_ids), copies)
+
+    def commit(self, table: BlockTable, token_ids: list[int], salt: bytes = b"") -> None:
+        """Publish the blocks holding token_ids (their KV must be written already).
+
+        Full blocks always; the non-full last block only with enable_partial_commit. A key
+        already published by another block is left to it (this block stays private).
+        """
+        if len(token_ids) > table.num_tokens:
+            raise ValueError(f"{len(token_ids)} tokens to commit but the table holds {table.num_tokens}")
+        size = self.tokens_per_block
+        num_full = len(token_ids) // size
+        parent_key = ROOT_KEY
+        for index in range(num_full):
+            block_tokens = token_ids[index * size : (index + 1) * size]
+            parent_key = self._publish(parent_key, block_tokens, salt, table.block_ids[index])
+        if self.config.enable_partial_commit and len(token_ids) % size:
+            self._publish(parent_key, token_ids[num_full * size :], salt, table.block_ids[num_full])
+
+    def _publish(self, parent_key: bytes, token_ids: list[int], salt: bytes, block_id: int) -> bytes:
+        key = block_key(parent_key, token_ids, salt)
+        if self.tree.node(key) is not None:
+            return key
+        old_key = self.tree.key_of_block(block_id)
+        if old_key is not None:
+            old_node = self.tree.node(old_key)
+            if old_node is not None and len(old_node.token_ids) == self.tokens_per_block:
+                raise ValueError(f"block {block_id} is published with other tokens")
+            # A published partial block has since grown: it is re-published under the longer key.
+            self.tree.evict(block_id)
+        self.tree.insert(parent_key, token_ids, salt, block_id)
+        self.allocator.mark_published(block_id)
+        return key
+
+    # -- beams -------------------------------------------------------------------------------
+    def reorder_beams(
+        self, tables: list[BlockTable], parent_indices: list[int]
+    ) -> tuple[list[BlockTable], list[CopyOp]]:
+        """New beam i continues tables[parent_indices[i]]. All-or-nothing.
+
+        The first child of a parent inherits the parent's BlockTable object; each further child
+        shares the parent's full blocks and gets a private copy of its partial last block.
+        Parents with no child are freed (their tables emptied). Expansion of a prompt to W beams
+        is reorder_beams([prompt_table], [0] * W). Use only the returned tables afterwards.
+        """
+        for parent in parent_indices:
+            if not 0 <= parent < len(tables):
+                raise IndexError(f"parent index {parent} out of range for {len(tables)} tables")
+        num_children = Counter(parent_indices)
+        dropped = [index for index in range(len(tables)) if num_children[index] == 0]
+        num_copies = sum(
+            count - 1 for parent, count in num_children.items() if self._has_partial_tail(tables[parent])
+        )
+        # Freeing the dropped parents first lets their blocks serve the copies; count exactly
+        # which blocks that would release so a failure can be raised before any change.
+        drops = Counter(block_id for index in dropped for block_id in tables[index].block_ids)
+        num_released = sum(
+            1 for block_id, count in drops.items() if self.allocator.ref_count(block_id) == count
+        )
+        num_available = self.allocator.num_free_blocks() + num_released
+        if num_copies > num_available:
+            raise OutOfBlocksError(f"beams need {num_copies} new blocks, {num_available} available")
+        for index in dropped:
+            self.free(tables[index])
+        fresh_ids = self.allocator.allocate(num_copies)
+        new_tables: list[BlockTable] = []
+        copies: list[CopyOp] = []
+        inherited: set[int] = set()
+        for parent in parent_indices:
+            table = tables[parent]
+            if parent not in inherited:
+                inherited.add(parent)
+                new_tables.append(table)
+                continue
+            block_ids = list(table.block_ids)
+            private_ids: list[int] = []
+            if self._has_partial_tail(table):
+                copy = CopyOp(block_ids.pop(), fresh_ids.pop(0))
+                copies.append(copy)
+                private_ids.append(copy.dst_block)
+            for block_id in block_ids:
+                self.allocator.incref(block_id)
+            new_tables.append(BlockTable(block_ids + private_ids, table.num_tokens))
+        self.stats.new_blocks += num_copies
+        self.stats.copied_blocks += num_copies
+        self._track_peak()
+        return new_tables, copies
+
+    def _has_partial_tail(self, table: BlockTable) -> bool:
+        return table.num_tokens % self.tokens_per_block != 0
+
+    # -- growth and release ------------------------------------------------------------------
+    def append_slots(self, table: BlockTable, num_tokens: int = 1) -> None:
+        """Assign `num_tokens` more slots, taking new blocks as needed. All-or-nothing."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if self._has_partial_tail(table) and self.allocator.ref_count(table.block_ids[-1]) != 1:
+            raise ValueError(f"last block {table.block_ids[-1]} is shared; it cannot be written")
+        new_num_tokens = table.num_tokens + num_tokens
+        num_new_blocks = -(-new_num_tokens // self.tokens_per_block) - len(table.block_ids)
+        table.block_ids.extend(self.allocator.allocate(max(num_new_blocks, 0)))
+        table.num_tokens = new_num_tokens
+        self.stats.new_blocks += max(num_new_blocks, 0)
+        self._track_peak()
+
+    def free(self, table: BlockTable) -> None:
+        """Drop the table's references and empty it (a second free is a no-op).
+
+        Blocks are released last first, so a sequence's tail is evicted before its head, which
+        other prompts are more likely to share.
+        """
+        for block_id in reversed(table.block_ids):
+            self.allocator.decref(block_id)
+        table.block_ids = []
+        table.num_tokens = 0
+
+    def _track_peak(self) -> None:
+        self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, self.num_blocks_in_use())
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_integrity(self, live_tables: Iterable[BlockTable] | None = None) -> None:
+        """Allocator and tree consistent with each other; with `live_tables` (every table the
+        caller holds), reference counts equal exactly the tables' uses of each block."""
+        self.allocator.check_integrity()
+        self.tree.check_integrity()
+        assert self.allocator.num_published_blocks() == len(self.tree), "allocator and tree disagree"
+        if live_tables is None:
+            return
+        uses: Counter[int] = Counter()
+        for table in live_tables:
+            expected = -(-table.num_tokens // self.tokens_per_block)
+            assert len(table.block_ids) == expected, (
+                f"table of {table.num_tokens} tokens has {table.block_ids}"
+            )
+            uses.update(table.block_ids)
+            if self._has_partial_tail(table):
+                assert self.allocator.ref_count(table.block_ids[-1]) == 1, "shared partial last block"
+        for block_id in range(self.allocator.num_blocks):
+            assert self.allocator.ref_count(block_id) == uses[block_id], (
+                f"block {block_id}: {self.allocator.ref_count(block_id)} references, {uses[block_id]} uses"
+            )
