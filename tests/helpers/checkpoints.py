@@ -1,0 +1,56 @@
+"""Random tiny Llama checkpoints written by transformers itself, the reference the engine must match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_random_llama_checkpoint(
+    directory: str | Path,
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    vocab_size: int = 96,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    num_layers: int = 2,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Builds a LlamaForCausalLM with seeded weights and saves it with save_pretrained.
+
+    Weights are redrawn with std 1/sqrt(fan_in) (norm weights around 1) instead of the default
+    0.02, so logits are far from uniform and a parity test compares meaningful numbers.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = Path(directory)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if name.endswith("norm.weight"):
+                values = 1.0 + 0.1 * torch.randn(parameter.shape, generator=generator)
+            elif parameter.dim() == 2 and "embed_tokens" not in name:
+                values = torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5
+            else:
+                values = torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(values)
+    model.save_pretrained(directory)
+    return directory
