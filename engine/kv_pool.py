@@ -13,26 +13,16 @@ only stores and copies.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from engine.config import CacheConfig
+from engine.kv_cache import CopyOp
 from engine.model_config import ModelConfig
 from engine.types import KVRegion
 
 KEY = 0
 VALUE = 1
-
-
-class BlockCopy(Protocol):
-    """What `copy_blocks` needs of a copy (engine.kv_cache.CopyOp has it)."""
-
-    @property
-    def src_block(self) -> int: ...
-
-    @property
-    def dst_block(self) -> int: ...
 
 
 class KVPool:
@@ -81,7 +71,7 @@ class KVPool:
         """Keys and values of one layer across all blocks, a strided view: [N, 2, T, H, D]."""
         return self.data[:, layer]
 
-    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+    def copy_blocks(self, copies: Sequence[CopyOp]) -> None:
         """Copies whole pages (all layers, K and V): dst <- src for each copy, in one gather.
 
         Sources are read before any destination is written, so a copy list may chain

@@ -18,6 +18,7 @@ def write_random_llama_checkpoint(
     num_layers: int = 2,
     rope_theta: float = 10000.0,
     max_position_embeddings: int = 512,
+    max_shard_size: str | None = None,
 ) -> Path:
     """Builds a LlamaForCausalLM with seeded weights and saves it with save_pretrained.
 
@@ -52,5 +53,8 @@ def write_random_llama_checkpoint(
             else:
                 values = torch.randn(parameter.shape, generator=generator)
             parameter.copy_(values)
-    model.save_pretrained(directory)
+    if max_shard_size is None:
+        model.save_pretrained(directory)
+    else:  # several *.safetensors plus model.safetensors.index.json
+        model.save_pretrained(directory, max_shard_size=max_shard_size)
     return directory

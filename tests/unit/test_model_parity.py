@@ -60,9 +60,7 @@ def make_pool(model: LlamaModel, tokens_per_block: int, num_blocks: int = 64) ->
     return KVPool(model.config, cache, model.dtype, "cpu")
 
 
-def run_step(
-    model: LlamaModel, pool: KVPool, seqs: list[tuple[list[int], int, list[int]]]
-) -> torch.Tensor:
+def run_step(model: LlamaModel, pool: KVPool, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
     """seqs: (block_ids, num_cached_tokens, new token ids) -> logits [B, V]."""
     metadata = prepare_attention(
         [(block_ids, cached, len(new_ids)) for block_ids, cached, new_ids in seqs],
@@ -149,7 +147,9 @@ def test_mixed_batch_equals_each_sequence_alone(
         torch.testing.assert_close(batched[row], alone, rtol=0, atol=1e-12)
         # The pages written by the batched step equal those written alone.
         block_ids = step[0]
-        torch.testing.assert_close(batched_pool.data[block_ids], alone_pool.data[block_ids], rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            batched_pool.data[block_ids], alone_pool.data[block_ids], rtol=0, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
@@ -163,3 +163,31 @@ def test_lower_precision_is_close_to_float64(checkpoint_dirs: dict[str, Path], d
     assert approximate.dtype == torch.float32
     tolerance = 1e-4 if dtype == "float32" else 0.25
     torch.testing.assert_close(approximate.double(), exact, rtol=0, atol=tolerance)
+
+
+def test_sharded_checkpoint_loads_the_same_model(tmp_path: Path, checkpoint_dirs: dict[str, Path]) -> None:
+    sharded_dir = write_random_llama_checkpoint(
+        tmp_path, num_heads=4, num_kv_heads=2, tie_word_embeddings=False, seed=0, max_shard_size="20KB"
+    )
+    assert (sharded_dir / "model.safetensors.index.json").is_file()
+    assert len(list(sharded_dir.glob("*.safetensors"))) > 1
+    sharded, _, _ = load_model(sharded_dir, "float64", "cpu")
+    whole, _, _ = load_model(checkpoint_dirs["gqa-untied"], "float64", "cpu")
+    assert sharded.state_dict().keys() == whole.state_dict().keys()
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(sharded.state_dict()[name], tensor), name
+
+
+def test_checkpoint_that_disagrees_with_its_config_is_refused(
+    checkpoint_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    source = checkpoint_dirs["gqa-untied"]
+    shutil.copy(source / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="missing"):
+        load_model(tmp_path, "float64", "cpu")
