@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT_KEY = bytes(32)
 
@@ -63,12 +63,14 @@ class PrefixMatch:
     num_partial_tokens: int = 0
 
 
-@dataclass
 class PrefixTree:
-    tokens_per_block: int
-    _nodes: dict[bytes, PrefixNode] = field(default_factory=dict)
-    _key_of_block: dict[int, bytes] = field(default_factory=dict)
-    _child_keys: dict[bytes, set[bytes]] = field(default_factory=dict)
+    def __init__(self, tokens_per_block: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self._nodes: dict[bytes, PrefixNode] = {}
+        self._key_of_block: dict[int, bytes] = {}
+        # Children by (parent key, first token): partial reuse needs a common first token, so a
+        # lookup scans only the few children that can share anything.
+        self._child_keys: dict[tuple[bytes, int], set[bytes]] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -114,7 +116,7 @@ class PrefixTree:
             return None
         best: tuple[int, int] | None = None
         # Sorted keys: ties go to the same block on every run.
-        for child_key in sorted(self._child_keys.get(parent_key, ())):
+        for child_key in sorted(self._child_keys.get((parent_key, next_tokens[0]), ())):
             child = self._nodes[child_key]
             if child.salt != salt:
                 continue
@@ -138,7 +140,7 @@ class PrefixTree:
             raise ValueError(f"block {block_id} is already published under another key")
         self._nodes[key] = PrefixNode(key, parent_key, tuple(token_ids), salt, block_id)
         self._key_of_block[block_id] = key
-        self._child_keys.setdefault(parent_key, set()).add(key)
+        self._child_keys.setdefault((parent_key, token_ids[0]), set()).add(key)
         return key
 
     def evict(self, block_id: int) -> None:
@@ -147,10 +149,11 @@ class PrefixTree:
         if key is None:
             return
         node = self._nodes.pop(key)
-        siblings = self._child_keys[node.parent_key]
+        child_index = (node.parent_key, node.token_ids[0])
+        siblings = self._child_keys[child_index]
         siblings.discard(key)
         if not siblings:
-            del self._child_keys[node.parent_key]
+            del self._child_keys[child_index]
 
     def check_integrity(self) -> None:
         assert len(self._nodes) == len(self._key_of_block), "nodes and block index differ in size"
@@ -158,7 +161,8 @@ class PrefixTree:
         for key, node in self._nodes.items():
             assert node.key == key, "node stored under a foreign key"
             assert self._key_of_block.get(node.block_id) == key, f"block {node.block_id} index stale"
-            assert key in self._child_keys.get(node.parent_key, set()), "node missing from its parent"
+            child_index = (node.parent_key, node.token_ids[0])
+            assert key in self._child_keys.get(child_index, set()), "node missing from its parent"
             assert 0 < len(node.token_ids) <= self.tokens_per_block, "node with a bad token count"
         for child_keys in self._child_keys.values():
             assert child_keys, "empty child set kept"
