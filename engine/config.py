@@ -60,6 +60,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False (transformers' default) or "never"
     eos_token_id: int | None = None
+    ignore_eos: bool = False  # decode to max_new_tokens even through the model's eos
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

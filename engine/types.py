@@ -21,6 +21,9 @@ class RequestOutput:
     beams: list[Beam] = field(default_factory=list)  # best first, filled when finished
     stats: dict[str, float | int] = field(default_factory=dict)
     error: str | None = None  # set when the engine had to drop the request
+    # Per live beam, which live beam of the previous output it continues (beams reorder, so a
+    # stream rebuilds beam i as previous[parent_indices[i]] + new_token_ids[i]).
+    parent_indices: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,285 @@
+"""LLMEngine: the model, the paged KV cache and the continuous batch behind one object.
+
+Three ways in, one decoding loop (`step`):
+- aggregated: `add_request` -> prefill in the batch -> beams -> `step` until finished;
+- context side: `prefill` runs a prompt now, commits and pins its blocks, returns the first-step
+  candidates; `release_prefill` unpins;
+- generation side: `reserve_prompt` allocates the prompt's blocks (sharing what this engine's
+  tree holds), the caller pulls the missing pages into them, `add_prefilled_request` starts
+  decoding from the shipped candidates.
+Both decoding paths start from the same candidates, so their beams are identical.
+
+Not thread-safe: one thread owns the engine. See docs/engine.md for the request lifecycle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, SamplingParams, check_engine_params
+from engine.kv_cache import BlockTable, KVCacheManager, OutOfBlocksError
+from engine.kv_pool import KVPool
+from engine.loader import load_model
+from engine.model_runner import ModelRunner, SequenceInput
+from engine.request import Request, RequestState, make_decoder
+from engine.sampling import candidates_from_logprobs
+from engine.scheduler import Scheduler
+from engine.types import KVRegion, PrefillResult, PromptReservation, RequestOutput
+
+
+@dataclass
+class _Reservation:
+    table: BlockTable
+    prompt_ids: list[int]
+    salt: bytes
+    new_blocks: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.cache_config = config.cache
+        model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
+        self.kv_pool = KVPool(self.model_config, config.cache, model.dtype, config.device)
+        self.kv_cache = KVCacheManager(config.cache)
+        self.runner = ModelRunner(model, self.kv_pool)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks)
+        self._requests: dict[str, Request] = {}
+        self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
+        self._reservations: dict[str, _Reservation] = {}  # generation side: awaiting their pull
+        self._ready_outputs: list[RequestOutput] = []  # finished outside step(), sent by the next one
+        self._request_counter = itertools.count()
+
+    # -- aggregated --------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt: bytes = b""
+    ) -> None:
+        self._check_new_request(request_id, prompt_ids, params)
+        request = self._make_request(request_id, prompt_ids, params, salt)
+        self._requests[request_id] = request
+        self.scheduler.add_waiting(request)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit, grow, run one forward pass over the batch, advance every decoder in it."""
+        outputs, self._ready_outputs = self._ready_outputs, []
+        batch = self.scheduler.schedule(blocks_held_elsewhere=bool(self._prefilled or self._reservations))
+        outputs.extend(self._finish(request) for request in batch.failed)
+        seqs = [
+            SequenceInput(
+                request.tables[0].block_ids,
+                request.num_cached_tokens,
+                request.prompt_ids[request.num_cached_tokens :],
+            )
+            for request in batch.prefills
+        ]
+        for request in batch.decodes:
+            assert request.pending is not None
+            # Beam i feeds its pending token at the slot just grown: position num_tokens - 1.
+            seqs.extend(
+                SequenceInput(table.block_ids, table.num_tokens - 1, [token_id])
+                for table, token_id in zip(request.tables, request.pending.token_ids, strict=True)
+            )
+        if not seqs:
+            return outputs
+        logprobs = self.runner.compute_logprobs(seqs)  # [B, V] float32
+        row = 0
+        for request in batch.prefills:
+            self.kv_cache.commit(request.tables[0], request.prompt_ids, request.salt)
+            self._start_decoding(request, logprobs[row])
+            row += 1
+        for request in batch.decodes:
+            num_beams = len(request.tables)
+            request.record_step(request.decoder.step(logprobs[row : row + num_beams]))
+            row += num_beams
+        for request in batch.prefills + batch.decodes:
+            outputs.append(self._finish(request) if request.decoder.is_done else self._progress(request))
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (queued, running, pinned or reserved); frees its blocks."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.remove(request)
+        self.release_prefill(request_id)
+        self.cancel_reservation(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._ready_outputs)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+        """Runs one request to completion (offline). Other requests in the engine advance too."""
+        request_id = f"generate-{next(self._request_counter)}"
+        self.add_request(request_id, prompt_ids, params)
+        while True:
+            for output in self.step():
+                if output.request_id == request_id and output.finished:
+                    return output
+
+    # -- context side ------------------------------------------------------------------------
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
+    ) -> PrefillResult:
+        """Prefill now with one beam; the prompt's blocks stay pinned until release_prefill.
+
+        num_candidates <= 0 returns the whole vocabulary. Raises OutOfBlocksError (nothing held)
+        when the pool cannot take the prompt.
+        """
+        self._check_prompt(prompt_ids, 0)
+        if request_id in self._prefilled:
+            raise ValueError(f"request_id {request_id!r} is already prefilled")
+        allocation = self.kv_cache.allocate_prompt(prompt_ids, salt)
+        self.kv_pool.copy_blocks(allocation.copies)
+        table, num_cached = allocation.table, allocation.num_cached_tokens
+        try:
+            logprobs = self.runner.compute_logprobs(
+                [SequenceInput(table.block_ids, num_cached, prompt_ids[num_cached:])]
+            )
+        except BaseException:
+            self.kv_cache.free(table)
+            raise
+        self.kv_cache.commit(table, prompt_ids, salt)
+        self._prefilled[request_id] = table
+        candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs[0], num_candidates)
+        return PrefillResult(
+            request_id, list(table.block_ids), len(prompt_ids), candidate_ids, candidate_logprobs, num_cached
+        )
+
+    def release_prefill(self, request_id: str) -> None:
+        """Unpin a prefilled prompt (unknown or already released ids are ignored)."""
+        table = self._prefilled.pop(request_id, None)
+        if table is not None:
+            self.kv_cache.free(table)
+
+    # -- generation side ---------------------------------------------------------------------
+    def reserve_prompt(
+        self, request_id: str, prompt_ids: list[int], salt: bytes = b"", params: SamplingParams | None = None
+    ) -> PromptReservation:
+        """Blocks for a prompt whose KV will be pulled. With `params`, the request's whole block
+        bound must fit next to the running requests' (else OutOfBlocksError, nothing held)."""
+        self._check_prompt(prompt_ids, 0 if params is None else params.max_new_tokens)
+        if request_id in self._reservations or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        # Pulled pages overwrite whole blocks: copying a partly matched block would be wasted.
+        new_blocks_before = self.kv_cache.stats.new_blocks
+        allocation = self.kv_cache.allocate_prompt(prompt_ids, salt, allow_partial_reuse=False)
+        self.kv_pool.copy_blocks(allocation.copies)
+        new_blocks = self.kv_cache.stats.new_blocks - new_blocks_before
+        table = allocation.table
+        if params is not None:
+            bound = self.kv_cache.blocks_needed(
+                len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width
+            )
+            reserved = sum(request.remaining_blocks() for request in self.scheduler.running)
+            if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
+                self.kv_cache.free(table)
+                raise OutOfBlocksError(f"request {request_id!r} needs up to {bound} blocks; the pool is full")
+        self._reservations[request_id] = _Reservation(table, list(prompt_ids), salt, new_blocks)
+        return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
+
+    def cancel_reservation(self, request_id: str) -> None:
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            self.kv_cache.free(reservation.table)
+
+    def add_prefilled_request(
+        self,
+        reservation: PromptReservation,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        candidate_ids: list[int],
+        candidate_logprobs: list[float],
+    ) -> None:
+        """The reservation's blocks now hold the prompt's KV: expand to the beams and join the batch."""
+        request_id = reservation.request_id
+        held = self._reservations.get(request_id)
+        if held is None:
+            raise KeyError(f"no reservation for request_id {request_id!r}")
+        if list(prompt_ids) != held.prompt_ids:
+            raise ValueError("prompt_ids differ from the reserved prompt")
+        self._check_new_request(request_id, prompt_ids, params)
+        request = self._make_request(request_id, prompt_ids, params, held.salt)
+        del self._reservations[request_id]
+        request.tables = [held.table]
+        request.reused_tokens = reservation.num_cached_blocks * self.cache_config.tokens_per_block
+        request.new_blocks = held.new_blocks
+        request.times.admitted = time.monotonic()
+        self.kv_cache.commit(held.table, request.prompt_ids, held.salt)
+        self._requests[request_id] = request
+        self.scheduler.add_running(request)
+        request.record_step(request.decoder.start(list(candidate_ids), list(candidate_logprobs)))
+        request.state = RequestState.DECODING
+        if request.decoder.is_done:
+            self._ready_outputs.append(self._finish(request))
+
+    # -- pool --------------------------------------------------------------------------------
+    def kv_region(self) -> KVRegion:
+        return self.kv_pool.region()
+
+    def num_blocks_in_use(self) -> int:
+        return self.kv_cache.num_blocks_in_use()
+
+    def check_integrity(self) -> None:
+        tables = list(self.scheduler.live_tables())
+        tables.extend(self._prefilled.values())
+        tables.extend(reservation.table for reservation in self._reservations.values())
+        self.kv_cache.check_integrity(tables)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _make_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt: bytes
+    ) -> Request:
+        eos_token_id = None if params.ignore_eos else params.eos_token_id
+        if eos_token_id is None and not params.ignore_eos:
+            eos_token_id = self.tokenizer.eos_token_id
+        seed = (
+            params.seed
+            if params.seed is not None
+            else self.config.seed * 1_000_003 + next(self._request_counter)
+        )
+        decoder = make_decoder(params, eos_token_id, seed)
+        return Request(request_id, list(prompt_ids), params, decoder, salt)
+
+    def _start_decoding(self, request: Request, logprobs: torch.Tensor) -> None:
+        """logprobs: [V] of the last prompt position; the same candidates a context worker ships."""
+        candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.params.num_candidates)
+        request.state = RequestState.DECODING
+        request.record_step(request.decoder.start(candidate_ids, candidate_logprobs))
+
+    def _progress(self, request: Request) -> RequestOutput:
+        deltas, parents = request.take_deltas()
+        return RequestOutput(request.request_id, deltas, False, parent_indices=parents)
+
+    def _finish(self, request: Request) -> RequestOutput:
+        self._requests.pop(request.request_id, None)
+        self.scheduler.remove(request)
+        if request.error is not None:
+            return RequestOutput(request.request_id, [], True, stats=request.stats(), error=request.error)
+        deltas, parents = request.take_deltas()
+        beams = request.decoder.final_beams()
+        return RequestOutput(request.request_id, deltas, True, beams, request.stats(), parent_indices=parents)
+
+    def _check_new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        check_engine_params(self.config, params)
+        self._check_prompt(prompt_ids, params.max_new_tokens)
+        vocab_size = self.model_config.vocab_size
+        if params.eos_token_id is not None and params.eos_token_id >= vocab_size:
+            raise ValueError(f"eos_token_id must be < vocab_size {vocab_size}, got {params.eos_token_id}")
+
+    def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
+            raise ValueError(f"prompt_ids must be in [0, vocab_size={vocab_size})")
+        limit = self.model_config.max_position_embeddings
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt_ids ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceed the model's "
+                f"max_position_embeddings {limit}"
+            )

@@ -1,0 +1,155 @@
+"""One request inside the engine: its prompt, its decoder, the block tables of its live beams.
+
+Lifecycle (states):
+
+    WAITING --admit: prompt blocks allocated--> PREFILLING --forward of the prompt-->
+    DECODING (pending step decided, tables not yet grown) <--> (tables grown, in the batch)
+    --decoder done / abort / error--> FINISHED (every block freed)
+
+A request added with its prompt already in the pool (generation side) starts in DECODING.
+`pending` is the decoder's last decision (which parent each running beam continues, with which
+token); the scheduler applies it to the block tables before the next forward, all or nothing,
+so a request that cannot grow simply waits with its state untouched.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.beam_search import BeamSearch, BeamSearchParams, BeamStep
+from engine.config import SamplingParams
+from engine.kv_cache import BlockTable, num_distinct_blocks
+from engine.sampling import SingleSequence
+
+Decoder = BeamSearch | SingleSequence
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+def make_decoder(params: SamplingParams, eos_token_id: int | None, seed: int) -> Decoder:
+    if params.beam_width > 1:
+        return BeamSearch(
+            BeamSearchParams(
+                beam_width=params.beam_width,
+                max_new_tokens=params.max_new_tokens,
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                eos_token_id=eos_token_id,
+            )
+        )
+    return SingleSequence(params, eos_token_id, seed)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: Decoder
+    salt: bytes = b""
+    state: RequestState = RequestState.WAITING
+    # Before the first step: the prompt's table. After: one table per running beam, in the
+    # decoder's running order, each holding the KV of every token fed so far.
+    tables: list[BlockTable] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV was there before prefill
+    pending: BeamStep | None = None  # decided, not yet applied to the tables
+    # Progress applying `pending`, kept so a request that ran short of blocks resumes exactly:
+    # first the tables are reordered (one all-or-nothing call), then each gets one slot.
+    is_reordered: bool = False
+    num_grown_tables: int = 0
+    # Per live beam, the tokens decided since the last RequestOutput; and which earlier live
+    # beam each continues (beams reorder, so deltas alone cannot be stitched).
+    unsent_token_ids: list[list[int]] = field(default_factory=list)
+    unsent_parent_indices: list[int] = field(default_factory=list)
+    error: str | None = None
+    formula_blocks: int = 0
+    peak_blocks: int = 0
+    reused_tokens: int = 0
+    new_blocks: int = 0
+    copied_blocks: int = 0
+    num_steps: int = 0
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_beams(self) -> int:
+        return self.params.beam_width
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def is_ready(self) -> bool:
+        """Every running beam has a slot for its pending token: the request can join a forward."""
+        return self.pending is not None and self.is_reordered and self.num_grown_tables == len(self.tables)
+
+    def num_blocks_held(self) -> int:
+        return num_distinct_blocks(self.tables)
+
+    def remaining_blocks(self) -> int:
+        """Blocks this request may still take before reaching its formula bound."""
+        return max(0, self.formula_blocks - self.num_blocks_held())
+
+    def record_step(self, step: BeamStep) -> None:
+        """The decoder decided one more token per running beam; remember it for the next output."""
+        previous = self.unsent_token_ids
+        if not previous:
+            # Nothing unsent: each live beam's delta is its new token.
+            self.unsent_token_ids = [[token_id] for token_id in step.token_ids]
+            self.unsent_parent_indices = list(step.parent_indices)
+        else:
+            self.unsent_token_ids = [
+                previous[parent] + [token_id]
+                for parent, token_id in zip(step.parent_indices, step.token_ids, strict=True)
+            ]
+            self.unsent_parent_indices = [
+                self.unsent_parent_indices[parent] for parent in step.parent_indices
+            ]
+        self.pending = None if step.is_done else step
+        self.is_reordered, self.num_grown_tables = False, 0
+        self.num_steps += 1
+        if self.times.first_token is None:
+            self.times.first_token = time.monotonic()
+
+    def take_deltas(self) -> tuple[list[list[int]], list[int]]:
+        deltas, parents = self.unsent_token_ids, self.unsent_parent_indices
+        self.unsent_token_ids, self.unsent_parent_indices = [], []
+        return deltas, parents
+
+    def stats(self) -> dict[str, float | int]:
+        times = self.times
+        end = times.finished if times.finished is not None else time.monotonic()
+        stats: dict[str, float | int] = {
+            "prompt_tokens": self.prompt_len,
+            "reused_tokens": self.reused_tokens,
+            "new_blocks": self.new_blocks,
+            "copied_blocks": self.copied_blocks,
+            "peak_blocks": self.peak_blocks,
+            "formula_blocks": self.formula_blocks,
+            "generated_tokens": self.num_steps,
+            "total_s": end - times.arrival,
+        }
+        if times.admitted is not None:
+            stats["queue_s"] = times.admitted - times.arrival
+        if times.first_token is not None:
+            stats["first_token_s"] = times.first_token - times.arrival
+        return stats

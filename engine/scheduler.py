@@ -1,0 +1,195 @@
+"""Continuous batching: which requests run in the next forward pass, and their KV blocks.
+
+Plain Python over the KVCacheManager; the model never appears here. Each `schedule()`:
+1. grows every decoding request's tables for its pending step (reorder beams, one slot each),
+   all or nothing per call, so a request short of blocks waits and resumes where it stopped;
+2. admits waiting requests first come first served while the batch has room for their beams
+   (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
+   running requests may still take: floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks.
+
+A request's beams never depend on its neighbours: the batch only decides when a request
+advances, never what it computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
+from engine.request import Request, RequestState
+
+Result = TypeVar("Result")
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[Request] = field(default_factory=list)  # run their prompt, then start decoding
+    decodes: list[Request] = field(default_factory=list)  # one new token per running beam
+    failed: list[Request] = field(default_factory=list)  # dropped with request.error set, blocks freed
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_seqs: int, copy_blocks: Callable[[list[CopyOp]], None]
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        # Copies must reach the pool before any later allocation may hand out their source.
+        self.copy_blocks = copy_blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- membership --------------------------------------------------------------------------
+    def add_waiting(self, request: Request) -> None:
+        request.formula_blocks = self._formula(request)
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose prompt KV is already in its table (generation side)."""
+        request.formula_blocks = self._formula(request)
+        request.state = RequestState.DECODING
+        self._note_blocks(request)
+        self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the batch and free every block it holds."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        for table in request.tables:
+            self.kv_cache.free(table)
+        request.tables = []
+        request.state = RequestState.FINISHED
+        request.times.finished = time.monotonic()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_tables(self) -> Iterable[BlockTable]:
+        for request in self.running:
+            yield from request.tables
+
+    def num_running_beams(self) -> int:
+        return sum(request.num_beams for request in self.running)
+
+    # -- scheduling --------------------------------------------------------------------------
+    def schedule(self, blocks_held_elsewhere: bool = False) -> ScheduledBatch:
+        """blocks_held_elsewhere: pinned prompts or reservations that will be released on their
+        own timers; while they exist a stuck batch waits for them instead of failing a request."""
+        batch = ScheduledBatch()
+        for request in list(self.running):
+            if request.state is RequestState.DECODING and self._grow(request, batch):
+                batch.decodes.append(request)
+        self._admit(batch)
+        if batch.is_empty and self.running and not blocks_held_elsewhere:
+            # Nobody can advance and no block will come back on its own: rather than wait
+            # forever, the youngest request gives its blocks up.
+            self._fail(self.running[-1], "out of KV blocks: the pool cannot hold this request's beams", batch)
+        return batch
+
+    def _grow(self, request: Request, batch: ScheduledBatch) -> bool:
+        """Apply the pending step to the request's tables; False if it must wait for blocks."""
+        step = request.pending
+        if step is None:
+            return False
+        try:
+            if not request.is_reordered:
+                tables, copies = self._counted(
+                    request, lambda: self.kv_cache.reorder_beams(request.tables, step.parent_indices)
+                )
+                self.copy_blocks(copies)
+                request.tables, request.is_reordered = tables, True
+            while request.num_grown_tables < len(request.tables):
+                table = request.tables[request.num_grown_tables]
+                self._counted(request, functools.partial(self.kv_cache.append_slots, table, 1))
+                request.num_grown_tables += 1
+        except OutOfBlocksError:
+            self._note_blocks(request)
+            return False
+        self._note_blocks(request)
+        return True
+
+    def _admit(self, batch: ScheduledBatch) -> None:
+        while self.waiting:
+            request = self.waiting[0]
+            if (
+                request.num_beams > self.max_num_seqs
+                or request.formula_blocks > self.kv_cache.config.num_blocks
+            ):
+                self.waiting.popleft()
+                self._fail(request, self._too_large_message(request), batch)
+                continue
+            if self.num_running_beams() + request.num_beams > self.max_num_seqs:
+                return
+            if not self._try_allocate_prompt(request):
+                return
+            self.waiting.popleft()
+            request.state = RequestState.PREFILLING
+            request.times.admitted = time.monotonic()
+            self.running.append(request)
+            batch.prefills.append(request)
+
+    def _try_allocate_prompt(self, request: Request) -> bool:
+        reserved = sum(other.remaining_blocks() for other in self.running)
+        stats = self.kv_cache.stats
+        before = (stats.reused_tokens, stats.new_blocks, stats.copied_blocks)
+        try:
+            allocation = self.kv_cache.allocate_prompt(request.prompt_ids, request.salt)
+        except OutOfBlocksError:
+            return False
+        request.tables = [allocation.table]
+        growth = request.remaining_blocks()
+        if self.kv_cache.num_free_blocks() < reserved + growth:
+            # Not enough room for this request's bound next to the running ones' bounds.
+            self.kv_cache.free(allocation.table)
+            request.tables = []
+            stats.reused_tokens, stats.new_blocks, stats.copied_blocks = before
+            return False
+        self.copy_blocks(allocation.copies)
+        request.num_cached_tokens = allocation.num_cached_tokens
+        request.reused_tokens = allocation.num_cached_tokens
+        request.new_blocks += stats.new_blocks - before[1]
+        request.copied_blocks += stats.copied_blocks - before[2]
+        self._note_blocks(request)
+        return True
+
+    def _fail(self, request: Request, message: str, batch: ScheduledBatch) -> None:
+        request.error = message
+        self.remove(request)
+        batch.failed.append(request)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _formula(self, request: Request) -> int:
+        return self.kv_cache.blocks_needed(
+            request.prompt_len, request.prompt_len + request.params.max_new_tokens, request.num_beams
+        )
+
+    def _too_large_message(self, request: Request) -> str:
+        if request.num_beams > self.max_num_seqs:
+            return f"beam_width {request.num_beams} exceeds max_num_seqs {self.max_num_seqs}"
+        return (
+            f"request needs up to {request.formula_blocks} KV blocks, the pool has "
+            f"{self.kv_cache.config.num_blocks}"
+        )
+
+    def _counted(self, request: Request, operation: Callable[[], Result]) -> Result:
+        stats = self.kv_cache.stats
+        new_before, copied_before = stats.new_blocks, stats.copied_blocks
+        result = operation()
+        request.new_blocks += stats.new_blocks - new_before
+        request.copied_blocks += stats.copied_blocks - copied_before
+        return result
+
+    @staticmethod
+    def _note_blocks(request: Request) -> None:
+        request.peak_blocks = max(request.peak_blocks, request.num_blocks_held())
