@@ -10,12 +10,14 @@ so a checkpoint loads by name. Numerics follow it too where it leaves the workin
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import KVPool
-from engine.model_config import ModelConfig
+from engine.model_config import Llama3RopeScaling, ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -34,10 +36,29 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = scaling
+
+    def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
+        """[D/2] in float32, with the reference's operations in its order (llama3 included)."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.scaling is None:
+            return inv_freq
+        factor = self.scaling.factor
+        low, high = self.scaling.low_freq_factor, self.scaling.high_freq_factor
+        old_context_len = self.scaling.original_max_position_embeddings
+        # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept,
+        # and the band between is interpolated.
+        wavelen = 2 * math.pi / inv_freq
+        stretched = torch.where(wavelen > old_context_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * stretched / factor + smooth * stretched
+        is_medium = ~(wavelen < old_context_len / high) * ~(wavelen > old_context_len / low)
+        return torch.where(is_medium, smoothed, stretched)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> cos, sin [N, D] in `dtype`.
@@ -45,10 +66,7 @@ class RotaryEmbedding(nn.Module):
         Recomputed per call in float32 rather than kept as a buffer, which `model.to(bfloat16)`
         would round; float32 throughout is what the reference does.
         """
-        exponents = (
-            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
-        )
-        inv_freq = 1.0 / (self.theta**exponents)  # [D/2]
+        inv_freq = self.inverse_frequencies(positions.device)  # [D/2]
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [N, D]
         return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -135,7 +153,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -14,7 +14,24 @@ from typing import Any
 # mistral with no sliding window is the llama architecture under another name; qwen2 is not
 # (biased q/k/v projections), so it is refused.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-SUPPORTED_ROPE_TYPES = ("default",)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent stretch of the rotary frequencies (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not self.high_freq_factor > self.low_freq_factor > 0 or not self.factor > 0:
+            raise ValueError(
+                "rope llama3 needs factor > 0 and high_freq_factor > low_freq_factor > 0, got "
+                f"{self.factor}, {self.high_freq_factor}, {self.low_freq_factor}"
+            )
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     model_type: str = "llama"
@@ -85,6 +103,8 @@ class ModelConfig:
 
         num_attention_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
+        max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
+        rope_theta, rope_scaling = _rope(raw, max_position_embeddings)
         return cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
@@ -94,9 +114,10 @@ class ModelConfig:
             num_key_value_heads=int(raw.get("num_key_value_heads") or num_attention_heads),
             head_dim=int(raw.get("head_dim") or hidden_size // num_attention_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(raw),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
             bos_token_id=_first_token_id(raw.get("bos_token_id")),
             eos_token_id=_first_token_id(raw.get("eos_token_id")),
             model_type=model_type,
@@ -113,9 +134,14 @@ def _refuse_unless(raw: dict[str, Any], name: str, allowed: tuple[object, ...]) 
         raise ValueError(f"{name}={raw[name]!r} is not supported (supported: {allowed})")
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
-    # transformers 5 writes `rope_parameters` {rope_type, rope_theta}; older files write
-    # `rope_theta` at top level and an optional `rope_scaling` {type|rope_type, factor, ...}.
+def _rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, scaling) from either config format.
+
+    transformers 5 writes `rope_parameters` {rope_type, rope_theta, ...}; older files write
+    `rope_theta` at top level and an optional `rope_scaling` {type | rope_type, factor, ...}.
+    """
+    theta = float(raw.get("rope_theta", 10000.0))
+    scaling = None
     for name in ("rope_parameters", "rope_scaling"):
         rope = raw.get(name)
         if rope is None:
@@ -125,9 +151,22 @@ def _rope_theta(raw: dict[str, Any]) -> float:
             raise ValueError(
                 f"{name}.rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
             )
-        if "rope_theta" in rope:
-            return float(rope["rope_theta"])
-    return float(raw.get("rope_theta", 10000.0))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{name}.partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+        theta = float(rope.get("rope_theta", theta))
+        if rope_type == "llama3":
+            missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
+            if missing:
+                raise ValueError(f"{name} of rope_type llama3 lacks {missing}")
+            scaling = Llama3RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    rope.get("original_max_position_embeddings", max_position_embeddings)
+                ),
+            )
+    return theta, scaling
 
 
 def _first_token_id(value: int | list[int] | None) -> int | None:

@@ -19,11 +19,13 @@ def write_random_llama_checkpoint(
     rope_theta: float = 10000.0,
     max_position_embeddings: int = 512,
     max_shard_size: str | None = None,
+    rope_scaling: dict[str, float | int | str] | None = None,
 ) -> Path:
     """Builds a LlamaForCausalLM with seeded weights and saves it with save_pretrained.
 
     Weights are redrawn with std 1/sqrt(fan_in) (norm weights around 1) instead of the default
     0.02, so logits are far from uniform and a parity test compares meaningful numbers.
+    `rope_scaling` (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) joins `rope_parameters`.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -37,7 +39,7 @@ def write_random_llama_checkpoint(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=1,
         eos_token_id=2,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from engine.model_config import ModelConfig
+from engine.model_config import Llama3RopeScaling, ModelConfig
 
 
 def llama_config(**overrides: Any) -> dict[str, Any]:
@@ -45,6 +45,13 @@ def test_multi_head_when_kv_heads_missing_and_rope_parameters_of_transformers_5(
     assert (config.num_key_value_heads, config.head_dim, config.rope_theta) == (8, 16, 1234.0)
 
 
+def test_llama3_rope_scaling() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = ModelConfig.from_dict(llama_config(rope_scaling=scaling))
+    assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, original_max_position_embeddings=1024)
+    assert ModelConfig.from_dict(llama_config()).rope_scaling is None
+
+
 def test_mistral_without_sliding_window_is_llama() -> None:
     assert (
         ModelConfig.from_dict(llama_config(model_type="mistral", sliding_window=None)).model_type == "mistral"
@@ -56,7 +63,12 @@ def test_mistral_without_sliding_window_is_llama() -> None:
     [
         ({"model_type": "qwen2"}, "model_type"),
         ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling.rope_type"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),

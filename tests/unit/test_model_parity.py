@@ -17,11 +17,11 @@ from tests.helpers.checkpoints import write_random_llama_checkpoint
 TOLERANCE = 1e-9
 PROMPT_LENS = (1, 31, 32, 33, 67)
 BLOCK_SIZES = (16, 32, 64, 128)
-CHECKPOINTS = {  # name: (num_heads, num_kv_heads, tie_word_embeddings)
-    "gqa-untied": (4, 2, False),
-    "gqa-tied": (4, 1, True),
-    "mha-untied": (4, 4, False),
-    "mha-tied": (2, 2, True),
+CHECKPOINTS = {  # name: (num_heads, num_kv_heads, tie_word_embeddings, rope_theta)
+    "gqa-untied": (4, 2, False, 10000.0),
+    "gqa-tied": (4, 1, True, 10000.0),
+    "mha-untied": (4, 4, False, 10000.0),
+    "mha-tied": (2, 2, True, 500.0),
 }
 
 
@@ -33,13 +33,14 @@ def few_threads() -> None:
 @pytest.fixture(scope="module")
 def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs = {}
-    for seed, (name, (num_heads, num_kv_heads, tied)) in enumerate(CHECKPOINTS.items()):
+    for seed, (name, (num_heads, num_kv_heads, tied, rope_theta)) in enumerate(CHECKPOINTS.items()):
         dirs[name] = write_random_llama_checkpoint(
             tmp_path_factory.mktemp(name),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             tie_word_embeddings=tied,
             seed=seed,
+            rope_theta=rope_theta,
         )
     return dirs
 
@@ -102,6 +103,25 @@ def test_prefill_then_decode_matches_transformers(
         decode_logits = run_step(model, pool, [(block_ids, prompt_len, [next_token])])[0]
         expected_decode = reference_last_logits(reference, [*token_ids, next_token])
         torch.testing.assert_close(decode_logits, expected_decode, rtol=0, atol=TOLERANCE)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
+    # original_max_position_embeddings 64 puts head_dim 8's wavelengths (6.3, 63, 628, 6283)
+    # in all three bands: kept, interpolated, stretched.
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    model_dir = write_random_llama_checkpoint(tmp_path, seed=11, rope_scaling=scaling)
+    model, config, _ = load_model(model_dir, "float64", "cpu")
+    assert config.rope_scaling is not None
+    token_ids = prompt(67, config.vocab_size, seed=5)
+    logits = run_step(model, make_pool(model, 32), [([3, 1, 2], 0, token_ids)])[0]
+    expected = reference_last_logits(load_reference(model_dir), token_ids)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=TOLERANCE)
 
 
 def test_chunked_prefill_matches_transformers(checkpoint_dirs: dict[str, Path]) -> None:
