@@ -89,6 +89,8 @@ def test_prefill_then_decode_matches_transformers(
 ) -> None:
     model, config, _ = load_model(checkpoint_dirs[checkpoint], "float64", "cpu")
     reference = load_reference(checkpoint_dirs[checkpoint])
+    # Tying survives loading and the dtype cast: one parameter, not two equal copies.
+    assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
     for prompt_len in PROMPT_LENS:
         pool = make_pool(model, tokens_per_block, num_blocks=16)
         token_ids = prompt(prompt_len, config.vocab_size, seed=prompt_len)
@@ -108,7 +110,7 @@ def test_prefill_then_decode_matches_transformers(
 def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
     # original_max_position_embeddings 64 puts head_dim 8's wavelengths (6.3, 63, 628, 6283)
     # in all three bands: kept, interpolated, stretched.
-    scaling = {
+    scaling: dict[str, float | int | str] = {
         "rope_type": "llama3",
         "factor": 8.0,
         "low_freq_factor": 1.0,
