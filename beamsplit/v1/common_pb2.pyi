@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class EarlyStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EARLY_STOPPING_FALSE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_TRUE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_NEVER: _ClassVar[EarlyStopping]
+EARLY_STOPPING_FALSE: EarlyStopping
+EARLY_STOPPING_TRUE: EarlyStopping
+EARLY_STOPPING_NEVER: EarlyStopping
 
 class SamplingOptions(_message.Message):
     __slots__ = ("beam_width", "max_new_tokens", "length_penalty", "early_stopping", "eos_token_id", "temperature", "top_k", "top_p", "seed")
@@ -20,13 +30,13 @@ class SamplingOptions(_message.Message):
     beam_width: int
     max_new_tokens: int
     length_penalty: float
-    early_stopping: bool
+    early_stopping: EarlyStopping
     eos_token_id: int
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)
@@ -35,12 +45,14 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("beams", "texts")
+    __slots__ = ("beams", "texts", "parent_indices")
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     beams: _containers.RepeatedCompositeFieldContainer[TokenIds]
     texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, beams: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    parent_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, beams: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., parent_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Beam(_message.Message):
     __slots__ = ("token_ids", "text", "cumulative_logprob", "score", "finish_reason")

@@ -1,0 +1,105 @@
+"""The aggregated server's backend: the client API of the coordinator, served by one engine that
+prefills and decodes in the same process. It is the reference every disaggregated result must
+equal, so it validates exactly as the coordinator does and reports stats with the same keys.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from beamsplit.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
+from beamsplit.request_validation import ModelLimits, RequestValidationError, validate_generate_request
+from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.v1 import common_pb2, coordinator_pb2
+from beamsplit.wire import ServiceError, beams_to_proto, delta_to_proto, engine_stats_to_map
+from engine.tokenizer import Tokenizer
+
+AGGREGATED_WORKER_NAME = "aggregated"
+
+
+class AggregatedService:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        gate: ShutdownGate,
+        engine_timeout_s: float = 120.0,
+    ) -> None:
+        self._loop = loop
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._gate = gate
+        self._engine_timeout_s = engine_timeout_s
+
+    def generate(
+        self,
+        request: coordinator_pb2.GenerateRequest,
+        time_remaining: Callable[[], float | None],
+        on_client_gone: Callable[[Callable[[], None]], None],
+    ) -> Iterator[common_pb2.GenerateResponse]:
+        arrived = time.perf_counter()
+        try:
+            validated = validate_generate_request(request, self._limits, self._tokenizer)
+        except RequestValidationError as error:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+        request_id = request.request_id or uuid.uuid4().hex
+        engine_request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        client_gone = threading.Event()
+        on_client_gone(client_gone.set)
+
+        def stop_reason() -> ServiceError | None:
+            if self._gate.is_aborting:
+                return ServiceError(grpc.StatusCode.UNAVAILABLE, f"aggregated server: {SHUTDOWN_MESSAGE}")
+            if client_gone.is_set():
+                return ServiceError(grpc.StatusCode.CANCELLED, "request cancelled by the client")
+            return None
+
+        stream = self._loop.open_stream(engine_request_id)
+        is_added = is_finished = False
+        first_token_at: float | None = None
+        try:
+            self._loop.call(
+                lambda engine: engine.add_request(
+                    engine_request_id, validated.prompt_ids, validated.params, salt=validated.salt
+                ),
+                timeout_s=self._engine_timeout_s,
+            )
+            is_added = True
+            for output in follow_stream(stream, stop_reason, self._engine_timeout_s):
+                if any(output.new_token_ids):
+                    first_token_at = first_token_at or time.perf_counter()
+                    delta = delta_to_proto(output, self._tokenizer)
+                    yield common_pb2.GenerateResponse(request_id=request_id, delta=delta)
+                if output.finished:
+                    is_finished = True
+                    reused_tokens = int(output.stats.get("reused_tokens", 0))
+                    stats = common_pb2.RequestStats(
+                        prompt_tokens=len(validated.prompt_ids),
+                        context_reused_tokens=reused_tokens,
+                        generation_reused_tokens=reused_tokens,
+                        ttft_ms=((first_token_at or time.perf_counter()) - arrived) * 1000.0,
+                        e2e_ms=(time.perf_counter() - arrived) * 1000.0,
+                        context_worker=AGGREGATED_WORKER_NAME,
+                        generation_worker=AGGREGATED_WORKER_NAME,
+                        engine=engine_stats_to_map(output.stats),
+                    )
+                    final = common_pb2.FinalResult(
+                        beams=beams_to_proto(output.beams, self._tokenizer), stats=stats
+                    )
+                    yield common_pb2.GenerateResponse(request_id=request_id, final=final)
+        except ValueError as error:  # the engine refused the parameters for its configuration
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"aggregated server: {error}") from error
+        except RequestDroppedError as error:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"aggregated server: {error}") from error
+        except EngineLoopError as error:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"aggregated server: {error}") from error
+        finally:
+            if is_added and not is_finished:
+                self._loop.submit(lambda engine: engine.abort(engine_request_id))
+            self._loop.close_stream(engine_request_id)

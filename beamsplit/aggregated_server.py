@@ -1,0 +1,50 @@
+"""`beamsplit serve aggregated`: the client API served by one engine, prefill and decode together."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from beamsplit.aggregated import AggregatedService
+from beamsplit.client_api_servicer import ClientApiServicer
+from beamsplit.metrics import ServerMetrics
+from beamsplit.server_common import (
+    ShutdownGate,
+    announce,
+    configure_logging,
+    run_until_signalled,
+    start_grpc_server,
+)
+from beamsplit.v1 import coordinator_pb2_grpc
+from beamsplit.worker_setup import engine_config_from_args, model_limits, start_engine
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "beamsplit.v1.Coordinator"
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("aggregated")
+    metrics = ServerMetrics("aggregated")
+    handle = start_engine(engine_config_from_args(args), metrics)
+    gate = ShutdownGate()
+    service = AggregatedService(handle.loop, handle.engine.tokenizer, model_limits(handle.engine), gate)
+    servicer = ClientApiServicer(service, gate, metrics, "aggregated server")
+    server = start_grpc_server(
+        args.host,
+        args.port,
+        lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
+        gate,
+    )
+    metrics.serve(args.metrics_port, args.host)
+    server.set_serving([SERVICE_NAME])
+    announce("aggregated", server, args.host, args.metrics_port)
+
+    def cleanup() -> None:
+        try:
+            remaining = handle.loop.call(lambda engine: engine.num_blocks_in_use(), timeout_s=10.0)
+            logger.info("blocks in use at exit: %d", remaining)
+        finally:
+            handle.loop.stop()
+            metrics.close()
+
+    return run_until_signalled(server, cleanup, args.shutdown_grace_s)

@@ -1,0 +1,73 @@
+"""The client-facing `Coordinator` servicer, shared by the coordinator and the aggregated server.
+
+It only converts: the backend (`CoordinatorService` or `AggregatedService`) yields responses or
+raises `ServiceError`, and this class turns that into a stream or a status. A client that cancels
+or whose deadline passes triggers the backend's callback so upstream work stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import grpc
+
+from beamsplit.metrics import ServerMetrics
+from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from beamsplit.wire import ServiceError
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateBackend(Protocol):
+    def generate(
+        self,
+        request: coordinator_pb2.GenerateRequest,
+        time_remaining: Callable[[], float | None],
+        on_client_gone: Callable[[Callable[[], None]], None],
+    ) -> Iterator[common_pb2.GenerateResponse]: ...
+
+
+class ClientApiServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(
+        self, backend: GenerateBackend, gate: ShutdownGate, metrics: ServerMetrics, role: str
+    ) -> None:
+        self._backend = backend
+        self._gate = gate
+        self._metrics = metrics
+        self._role = role
+
+    def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.GenerateResponse]:
+        if not self._gate.enter():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self._role}: {SHUTDOWN_MESSAGE}")
+        outcome = "error"
+        self._metrics.requests_in_flight.inc()
+
+        def on_client_gone(callback: Callable[[], None]) -> None:
+            context.add_callback(callback)
+
+        try:
+            responses = self._backend.generate(request, context.time_remaining, on_client_gone)
+            try:
+                for response in responses:
+                    if self._gate.is_aborting:
+                        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{self._role}: {SHUTDOWN_MESSAGE}")
+                    if response.HasField("final"):
+                        outcome = "ok"
+                    yield response
+            finally:
+                responses.close()  # type: ignore[attr-defined]
+        except ServiceError as error:
+            outcome = error.code.name.lower()
+            context.abort(error.code, error.message)
+        except Exception as error:
+            logger.exception("request failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"{self._role}: {type(error).__name__}: {error}")
+        finally:
+            self._metrics.requests.labels(outcome=outcome).inc()
+            self._metrics.requests_in_flight.dec()
+            self._gate.exit()

@@ -1,0 +1,202 @@
+"""One engine, one thread: the only way a server touches its `LLMEngine`.
+
+The engine is not thread-safe. gRPC handler threads never call it; they hand it a function through
+`call` (and wait, always with a bound) or `submit` (fire and forget), and read a request's outputs
+from the `OutputStream` opened for it. The engine thread runs queued commands, then one `step()`
+when work is pending, routes each `RequestOutput` to its stream, and reports the pool occupancy
+after every iteration so metrics never have to reach into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any, TypeVar
+
+from engine.types import RequestOutput
+
+ResultT = TypeVar("ResultT")
+logger = logging.getLogger(__name__)
+
+
+class EngineLoopError(RuntimeError):
+    """The engine thread is gone or did not answer within the bound."""
+
+
+class OutputStream:
+    """Outputs of one request, in order; `None` marks a stream the loop had to end (engine fault)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.Queue[RequestOutput | None] = queue.Queue()
+
+    def put(self, output: RequestOutput | None) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout_s: float) -> RequestOutput | None:
+        """Next output; raises `queue.Empty` after `timeout_s`; `None` if the engine failed."""
+        return self._queue.get(timeout=timeout_s)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Any,
+        on_iteration: Callable[[Any], None] | None = None,
+        idle_wait_s: float = 0.02,
+        name: str = "engine",
+    ) -> None:
+        self._engine = engine
+        self._on_iteration = on_iteration
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.Queue[tuple[Callable[[Any], Any], Future[Any]]] = queue.Queue()
+        self._streams: dict[str, OutputStream] = {}
+        self._streams_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def submit(self, function: Callable[[Any], ResultT]) -> Future[ResultT]:
+        future: Future[ResultT] = Future()
+        if not self.is_running:
+            future.set_exception(EngineLoopError("engine loop is stopped"))
+            return future
+        self._commands.put((function, future))
+        return future
+
+    def call(self, function: Callable[[Any], ResultT], timeout_s: float = 30.0) -> ResultT:
+        """Runs `function(engine)` on the engine thread and returns its result (or raises its error)."""
+        future = self.submit(function)
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeoutError as error:
+            future.cancel()
+            raise EngineLoopError(f"engine did not answer within {timeout_s:.1f} s") from error
+
+    def open_stream(self, request_id: str) -> OutputStream:
+        stream = OutputStream(request_id)
+        with self._streams_lock:
+            self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._run_commands(block=not self._has_work())
+            if self._has_work():
+                self._step()
+            self._report()
+        # Commands that raced with stop() must not leave their callers waiting for the full bound.
+        self._run_commands(block=False)
+        self._fail_all_streams()
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self._engine.has_unfinished())
+        except Exception:  # an engine that cannot answer has nothing we could step
+            logger.exception("engine.has_unfinished failed")
+            return False
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            first = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        pending = [first]
+        while True:
+            try:
+                pending.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for function, future in pending:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(self._engine))
+            except BaseException as error:  # handed to the waiting caller, never lost
+                future.set_exception(error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception:
+            # A failed step leaves no request we can vouch for: end every stream so clients get an
+            # error now; each owner aborts its request, which frees the pages.
+            logger.exception("engine.step failed")
+            self._fail_all_streams()
+            return
+        with self._streams_lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
+
+    def _fail_all_streams(self) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(None)
+
+    def _report(self) -> None:
+        if self._on_iteration is None:
+            return
+        try:
+            self._on_iteration(self._engine)
+        except Exception:
+            logger.exception("engine loop report failed")
+
+
+class RequestDroppedError(RuntimeError):
+    """The engine dropped the request (`RequestOutput.error`), e.g. its pool ran out."""
+
+
+def follow_stream(
+    stream: OutputStream,
+    stop_reason: Callable[[], Exception | None],
+    silence_timeout_s: float,
+    poll_interval_s: float = 0.1,
+) -> Iterator[RequestOutput]:
+    """Yields a request's outputs until the finished one.
+
+    Raises what `stop_reason()` returns as soon as it returns something (client gone, shutdown),
+    `RequestDroppedError` when the engine dropped the request, and `EngineLoopError` when the
+    engine failed or said nothing for `silence_timeout_s`.
+    """
+    last_output_at = time.monotonic()
+    while True:
+        reason = stop_reason()
+        if reason is not None:
+            raise reason
+        try:
+            output = stream.get(poll_interval_s)
+        except queue.Empty:
+            if time.monotonic() - last_output_at > silence_timeout_s:
+                raise EngineLoopError(f"engine produced nothing for {silence_timeout_s:.0f} s") from None
+            continue
+        if output is None:
+            raise EngineLoopError("engine step failed")
+        if output.error is not None:
+            raise RequestDroppedError(output.error)
+        last_output_at = time.monotonic()
+        yield output
+        if output.finished:
+            return

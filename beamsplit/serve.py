@@ -1,0 +1,65 @@
+"""`beamsplit serve aggregated|context|generation|coordinator`: one long-running server per process.
+
+Each role's wiring lives in its own package and is imported only when that role starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+
+from beamsplit import server_args
+
+# role: (module with run(args), default port, its own flags, help)
+ROLES: dict[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | None, str]] = {
+    "aggregated": (
+        "beamsplit.aggregated_server",
+        50050,
+        None,
+        "the client API on one engine (the reference)",
+    ),
+    "context": (
+        "context_worker.server",
+        50051,
+        server_args.add_context_arguments,
+        "prefill prompts and hold their pages for pulls",
+    ),
+    "generation": (
+        "generation_worker.server",
+        50052,
+        server_args.add_generation_arguments,
+        "pull prompt pages, expand to W beams, decode",
+    ),
+    "coordinator": (
+        "coordinator.server",
+        50050,
+        server_args.add_coordinator_arguments,
+        "the client-facing front door over the workers",
+    ),
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run a server: aggregated, context, generation or coordinator"
+    )
+    roles = parser.add_subparsers(dest="role", metavar="ROLE")
+    roles.required = True
+    for role, (module_name, default_port, add_role_arguments, help_text) in ROLES.items():
+        role_parser = roles.add_parser(
+            role, help=help_text, description=f"beamsplit serve {role}: {help_text}."
+        )
+        server_args.add_server_arguments(role_parser, default_port)
+        if role != "coordinator":
+            server_args.add_engine_arguments(role_parser)
+        if add_role_arguments is not None:
+            add_role_arguments(role_parser)
+        role_parser.set_defaults(handler=_runner(module_name))
+
+
+def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(module_name).run(args))
+
+    return run

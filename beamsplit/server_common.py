@@ -1,0 +1,160 @@
+"""What every beamsplit gRPC server shares: health service, drain-on-SIGTERM, health probes.
+
+Shutdown order on SIGTERM (or SIGINT): health turns NOT_SERVING and new calls are refused with
+UNAVAILABLE; in-flight calls get `grace_s` to finish; whatever is still running is failed with
+UNAVAILABLE "server shutting down"; then the role's own cleanup runs (abort engine requests,
+release every pinned page, close the transfer agent) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = "server shutting down"
+
+
+class ShutdownGate:
+    """Counts in-flight calls so that a shutdown can drain them, then fail the stragglers."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._num_in_flight = 0
+        self._is_draining = False
+        self._is_aborting = threading.Event()
+
+    def enter(self) -> bool:
+        """False once draining has begun: the caller must refuse the call."""
+        with self._condition:
+            if self._is_draining:
+                return False
+            self._num_in_flight += 1
+            return True
+
+    def exit(self) -> None:
+        with self._condition:
+            self._num_in_flight -= 1
+            self._condition.notify_all()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._condition:
+            return self._num_in_flight
+
+    @property
+    def is_aborting(self) -> bool:
+        """In-flight loops poll this and fail with UNAVAILABLE once it is set."""
+        return self._is_aborting.is_set()
+
+    def drain(self, grace_s: float) -> bool:
+        """Refuses new calls, waits up to `grace_s` for in-flight ones; True if all finished."""
+        deadline = time.monotonic() + grace_s
+        with self._condition:
+            self._is_draining = True
+            while self._num_in_flight > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._condition.wait(remaining)
+        return True
+
+    def abort_in_flight(self, wait_s: float) -> None:
+        self._is_aborting.set()
+        deadline = time.monotonic() + wait_s
+        with self._condition:
+            while self._num_in_flight > 0 and time.monotonic() < deadline:
+                self._condition.wait(max(0.0, deadline - time.monotonic()))
+
+
+@dataclass
+class GrpcServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    port: int
+    gate: ShutdownGate
+
+    def set_serving(self, service_names: Iterable[str]) -> None:
+        for name in ["", *service_names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def start_grpc_server(
+    host: str,
+    port: int,
+    register: Callable[[grpc.Server], None],
+    gate: ShutdownGate,
+    max_workers: int = 32,
+) -> GrpcServer:
+    """Binds (port 0 picks a free one), registers the role's servicers plus health, and starts."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    register(server)
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    if bound_port == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    return GrpcServer(server, health_servicer, bound_port, gate)
+
+
+def run_until_signalled(grpc_server: GrpcServer, cleanup: Callable[[], None], grace_s: float) -> int:
+    """Blocks the main thread until SIGTERM/SIGINT, then shuts down in the documented order."""
+    stop = threading.Event()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal_number, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    logger.info("shutting down: draining %d in-flight calls", grpc_server.gate.num_in_flight)
+    grpc_server.health.enter_graceful_shutdown()
+    if not grpc_server.gate.drain(grace_s):
+        grpc_server.gate.abort_in_flight(wait_s=5.0)
+    grpc_server.server.stop(grace=1.0).wait(timeout=5.0)
+    cleanup()
+    logger.info("stopped")
+    return 0
+
+
+def check_health(channel: grpc.Channel, timeout_s: float) -> bool:
+    """True when the server answers SERVING within `timeout_s`."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def wait_until_healthy(address: str, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> bool:
+    """Polls the health service of `address` until SERVING, the bound, or `is_alive()` is false."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        while time.monotonic() < deadline:
+            if is_alive is not None and not is_alive():
+                return False
+            if check_health(channel, timeout_s=min(1.0, max(0.1, deadline - time.monotonic()))):
+                return True
+            time.sleep(0.1)
+    return False
+
+
+def announce(role: str, grpc_server: GrpcServer, host: str, metrics_port: int, extra: str = "") -> None:
+    """One line on stdout once serving: launchers (the demo, tests) wait for health, people read it."""
+    metrics = f", metrics http://{host}:{metrics_port}/metrics" if metrics_port else ""
+    print(f"[{role}] serving on {host}:{grpc_server.port}{metrics}{extra}", flush=True)
+
+
+def configure_logging(role: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,94 @@
+"""Building blocks every engine-owning server needs: its engine config, the engine on its loop thread,
+the worker's self-description, and its transfer agent with the KV pool registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from beamsplit.engine_loop import EngineLoop
+from beamsplit.metrics import ServerMetrics
+from beamsplit.request_validation import ModelLimits
+from beamsplit.v1 import common_pb2
+from engine.config import CacheConfig, EngineConfig
+
+KV_REGION_NAME = "kv"
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache=CacheConfig(
+            tokens_per_block=args.tokens_per_block,
+            num_blocks=args.num_blocks,
+            enable_partial_reuse=args.enable_partial_reuse,
+            enable_partial_commit=args.enable_partial_commit,
+        ),
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+
+
+@dataclass
+class EngineHandle:
+    engine: Any  # engine.LLMEngine; only the loop thread calls it after start
+    loop: EngineLoop
+    config: EngineConfig
+
+
+def start_engine(config: EngineConfig, metrics: ServerMetrics) -> EngineHandle:
+    from engine import LLMEngine
+
+    engine = LLMEngine(config)
+    metrics.kv_blocks_total.set(config.cache.num_blocks)
+    metrics.observe_engine(engine)
+    loop = EngineLoop(engine, on_iteration=metrics.observe_engine)
+    loop.start()
+    return EngineHandle(engine=engine, loop=loop, config=config)
+
+
+def model_limits(engine: Any) -> ModelLimits:
+    """Read before the loop starts, or from values that never change afterwards."""
+    return ModelLimits(
+        vocab_size=int(engine.model_config.vocab_size),
+        max_model_len=int(engine.model_config.max_position_embeddings),
+        eos_token_id=engine.tokenizer.eos_token_id,
+    )
+
+
+def worker_info(handle: EngineHandle) -> common_pb2.WorkerInfo:
+    engine = handle.engine
+    info = common_pb2.WorkerInfo(
+        model=handle.config.model,
+        dtype=handle.config.dtype,
+        tokens_per_block=handle.config.cache.tokens_per_block,
+        vocab_size=int(engine.model_config.vocab_size),
+        max_model_len=int(engine.model_config.max_position_embeddings),
+        num_blocks=handle.config.cache.num_blocks,
+        page_bytes=int(engine.kv_region().page_bytes),
+    )
+    if engine.tokenizer.eos_token_id is not None:
+        info.eos_token_id = engine.tokenizer.eos_token_id
+    return info
+
+
+def start_transfer_agent(handle: EngineHandle, host: str) -> Any:
+    """A UCX agent with the engine's whole KV pool registered as `KV_REGION_NAME`."""
+    from transfer import MemoryRegion, UcxTransferAgent
+
+    region = handle.engine.kv_region()
+    agent = UcxTransferAgent(host=host)
+    agent.register(
+        KV_REGION_NAME,
+        MemoryRegion(
+            address=region.address,
+            page_bytes=region.page_bytes,
+            num_pages=region.num_pages,
+            device=region.device,
+        ),
+    )
+    return agent

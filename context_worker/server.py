@@ -1,0 +1,67 @@
+"""`beamsplit serve context`: wires the engine, the transfer agent and the servicer together."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from beamsplit.metrics import ServerMetrics
+from beamsplit.server_common import (
+    ShutdownGate,
+    announce,
+    configure_logging,
+    run_until_signalled,
+    start_grpc_server,
+)
+from beamsplit.v1 import worker_pb2, worker_pb2_grpc
+from beamsplit.worker_setup import (
+    KV_REGION_NAME,
+    engine_config_from_args,
+    start_engine,
+    start_transfer_agent,
+    worker_info,
+)
+from context_worker.service import ContextService
+from context_worker.servicer import ContextWorkerServicer
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "beamsplit.v1.ContextWorker"
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("context")
+    metrics = ServerMetrics("context")
+    handle = start_engine(engine_config_from_args(args), metrics)
+    agent = start_transfer_agent(handle, args.host)
+    service = ContextService(handle.loop, agent, KV_REGION_NAME, metrics, default_lease_s=args.lease_s)
+    info = worker_info(handle)
+    layout = worker_pb2.PageLayout(
+        region=KV_REGION_NAME,
+        tokens_per_block=info.tokens_per_block,
+        page_bytes=info.page_bytes,
+        dtype=info.dtype,
+        model=info.model,
+    )
+    gate = ShutdownGate()
+    servicer = ContextWorkerServicer(service, gate, layout, info, metrics)
+    server = start_grpc_server(
+        args.host,
+        args.port,
+        lambda grpc_server: worker_pb2_grpc.add_ContextWorkerServicer_to_server(servicer, grpc_server),
+        gate,
+    )
+    metrics.serve(args.metrics_port, args.host)
+    server.set_serving([SERVICE_NAME])
+    announce("context", server, args.host, args.metrics_port, f", ucx {agent.address}")
+
+    def cleanup() -> None:
+        service.shutdown()
+        try:
+            remaining = handle.loop.call(lambda engine: engine.num_blocks_in_use(), timeout_s=10.0)
+            logger.info("blocks in use at exit: %d", remaining)
+        finally:
+            handle.loop.stop()
+            agent.close()
+            metrics.close()
+
+    return run_until_signalled(server, cleanup, args.shutdown_grace_s)

@@ -1,0 +1,200 @@
+"""The context worker's logic, free of gRPC: prefill once, hold the prompt's pages under a lease.
+
+A hold starts when `prefill` returns and ends exactly once, whichever comes first:
+- the transfer agent reports the offer ended (pulled: DONE, revoked, lease lapsed, failed),
+- the generation side (or the coordinator) calls `release`,
+- the reaper finds the lease past its deadline (a backstop that runs on its own timer, in case
+  an agent never reports),
+- shutdown.
+Ending a hold unpins the prompt's pages (`release_prefill`); its full blocks stay in the prefix
+tree, unreferenced, for the next prompt that shares them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from beamsplit.engine_loop import EngineLoop
+from beamsplit.metrics import ServerMetrics
+from transfer import TransferAgent, TransferStatus
+
+logger = logging.getLogger(__name__)
+
+# The reaper gives the agent this long past the deadline to report the lapse itself.
+REAPER_SLACK_S = 2.0
+
+
+@dataclass(frozen=True)
+class HeldPrompt:
+    request_id: str
+    attempt: int
+    transfer_id: str
+    secret: str
+    ucx_address: str
+    page_ids: list[int]
+    prompt_len: int
+    candidate_ids: list[int]
+    candidate_logprobs: list[float]
+    reused_tokens: int
+    lease_deadline_unix_ms: int
+    prefill_ms: float
+
+
+@dataclass
+class _Hold:
+    engine_request_id: str
+    num_pages: int
+    deadline: float  # time.monotonic()
+
+
+class ContextService:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        agent: TransferAgent,
+        region_name: str,
+        metrics: ServerMetrics,
+        default_lease_s: float = 30.0,
+        engine_timeout_s: float = 120.0,
+    ) -> None:
+        self._loop = loop
+        self._agent = agent
+        self._region_name = region_name
+        self._metrics = metrics
+        self._default_lease_s = default_lease_s
+        self._engine_timeout_s = engine_timeout_s
+        self._holds: dict[str, _Hold] = {}
+        self._ended_before_recorded: set[str] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_forever, name="lease-reaper", daemon=True)
+        self._reaper.start()
+
+    @property
+    def num_holds(self) -> int:
+        with self._lock:
+            return len(self._holds)
+
+    def prefill(
+        self,
+        request_id: str,
+        attempt: int,
+        prompt_ids: list[int],
+        num_candidates: int,
+        salt: bytes,
+        lease_s: float,
+    ) -> HeldPrompt:
+        lease_s = lease_s if lease_s > 0 else self._default_lease_s
+        engine_request_id = f"{request_id}#{attempt}"
+        started = time.perf_counter()
+        result = self._loop.call(
+            lambda engine: engine.prefill(engine_request_id, prompt_ids, num_candidates, salt=salt),
+            timeout_s=self._engine_timeout_s,
+        )
+        prefill_ms = (time.perf_counter() - started) * 1000.0
+        try:
+            offer = self._agent.offer(
+                self._region_name, list(result.block_ids), lease_s, on_done=self._on_offer_done
+            )
+        except Exception:
+            self._release_pages(engine_request_id)
+            raise
+        with self._lock:
+            ended_already = offer.transfer_id in self._ended_before_recorded
+            self._ended_before_recorded.discard(offer.transfer_id)
+            if not ended_already:
+                self._holds[offer.transfer_id] = _Hold(
+                    engine_request_id, len(result.block_ids), offer.expires_at
+                )
+        if ended_already:
+            self._release_pages(engine_request_id)
+        return HeldPrompt(
+            request_id=request_id,
+            attempt=attempt,
+            transfer_id=offer.transfer_id,
+            secret=offer.secret,
+            ucx_address=offer.address,
+            page_ids=list(result.block_ids),
+            prompt_len=result.prompt_len,
+            candidate_ids=list(result.candidate_ids),
+            candidate_logprobs=list(result.candidate_logprobs),
+            reused_tokens=result.reused_tokens,
+            lease_deadline_unix_ms=_monotonic_to_unix_ms(offer.expires_at),
+            prefill_ms=prefill_ms,
+        )
+
+    def release(self, transfer_id: str, reason: str) -> bool:
+        """Ends the hold now (idempotent); False when it had already ended."""
+        hold = self._pop_hold(transfer_id)
+        if hold is None:
+            return False
+        try:
+            self._agent.revoke(transfer_id)
+        except Exception:  # the offer may have ended on its own meanwhile; the pages go back anyway
+            logger.debug("revoke %s failed", transfer_id, exc_info=True)
+        logger.info("released %s (%s)", transfer_id, reason)
+        self._release_pages(hold.engine_request_id)
+        return True
+
+    def heartbeat(self, transfer_id: str, extend_s: float) -> tuple[bool, int]:
+        """Extends the lease; (alive, new deadline in unix ms)."""
+        extend_s = extend_s if extend_s > 0 else self._default_lease_s
+        with self._lock:
+            hold = self._holds.get(transfer_id)
+        if hold is None or not self._agent.extend(transfer_id, extend_s):
+            return False, 0
+        deadline = time.monotonic() + extend_s
+        with self._lock:
+            hold.deadline = deadline
+        return True, _monotonic_to_unix_ms(deadline)
+
+    def shutdown(self) -> None:
+        """Ends every hold; the engine loop must still be running."""
+        self._stopping.set()
+        with self._lock:
+            transfer_ids = list(self._holds)
+        for transfer_id in transfer_ids:
+            self.release(transfer_id, "server shutting down")
+        self._reaper.join(timeout=2.0)
+
+    def _on_offer_done(self, transfer_id: str, status: TransferStatus) -> None:
+        # Runs on the agent's thread: never call back into the agent from here.
+        hold = self._pop_hold(transfer_id)
+        if hold is None:
+            with self._lock:
+                self._ended_before_recorded.add(transfer_id)
+            return
+        if status == TransferStatus.DONE:
+            self._metrics.transferred_blocks.inc(hold.num_pages)
+        logger.info("offer %s ended: %s", transfer_id, status.name)
+        self._release_pages(hold.engine_request_id)
+
+    def _pop_hold(self, transfer_id: str) -> _Hold | None:
+        with self._lock:
+            return self._holds.pop(transfer_id, None)
+
+    def _release_pages(self, engine_request_id: str) -> None:
+        future = self._loop.submit(lambda engine: engine.release_prefill(engine_request_id))
+        future.add_done_callback(lambda done: _log_failure(done, f"release_prefill {engine_request_id}"))
+
+    def _reap_forever(self) -> None:
+        while not self._stopping.wait(1.0):
+            now = time.monotonic()
+            with self._lock:
+                lapsed = [tid for tid, hold in self._holds.items() if hold.deadline + REAPER_SLACK_S < now]
+            for transfer_id in lapsed:
+                self.release(transfer_id, "lease lapsed")
+
+
+def _monotonic_to_unix_ms(deadline: float) -> int:
+    return int((time.time() + (deadline - time.monotonic())) * 1000.0)
+
+
+def _log_failure(future: Any, what: str) -> None:
+    error = future.exception()
+    if error is not None:
+        logger.error("%s failed: %s", what, error)

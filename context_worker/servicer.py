@@ -1,0 +1,106 @@
+"""gRPC edge of the context worker: messages in, `ContextService` calls, messages out."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from beamsplit.engine_loop import EngineLoopError
+from beamsplit.metrics import ServerMetrics
+from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from context_worker.service import ContextService
+
+logger = logging.getLogger(__name__)
+
+
+class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
+    def __init__(
+        self,
+        service: ContextService,
+        gate: ShutdownGate,
+        layout: worker_pb2.PageLayout,
+        info: common_pb2.WorkerInfo,
+        metrics: ServerMetrics,
+    ) -> None:
+        self._service = service
+        self._gate = gate
+        self._layout = layout
+        self._info = info
+        self._metrics = metrics
+
+    def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        if not self._gate.enter():
+            context.abort(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+        try:
+            held = self._service.prefill(
+                request_id=request.request_id,
+                attempt=request.attempt,
+                prompt_ids=list(request.prompt_token_ids),
+                num_candidates=request.num_candidates,
+                salt=bytes(request.salt),
+                lease_s=request.lease_s,
+            )
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"context worker: {error}")
+        except EngineLoopError as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"context worker: {error}")
+        except MemoryError as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context worker: {error}")
+        except Exception as error:
+            logger.exception("prefill %s failed", request.request_id)
+            code = _status_for(error)
+            context.abort(code, f"context worker: prefill failed: {type(error).__name__}: {error}")
+        finally:
+            self._gate.exit()
+        handoff = worker_pb2.Handoff(
+            request_id=held.request_id,
+            attempt=held.attempt,
+            transfer_id=held.transfer_id,
+            ucx_address=held.ucx_address,
+            layout=self._layout,
+            page_ids=held.page_ids,
+            prompt_len=held.prompt_len,
+            candidate_ids=held.candidate_ids,
+            candidate_logprobs=held.candidate_logprobs,
+            secret=held.secret,
+            lease_deadline_unix_ms=held.lease_deadline_unix_ms,
+            reused_tokens=held.reused_tokens,
+        )
+        return worker_pb2.PrefillResponse(handoff=handoff, prefill_ms=held.prefill_ms)
+
+    def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.ReleaseResponse:
+        released = self._service.release(request.transfer_id, request.reason or "released by peer")
+        return worker_pb2.ReleaseResponse(released=released)
+
+    def Heartbeat(
+        self, request: worker_pb2.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.HeartbeatResponse:
+        alive, deadline_ms = self._service.heartbeat(request.transfer_id, request.extend_s)
+        return worker_pb2.HeartbeatResponse(alive=alive, lease_deadline_unix_ms=deadline_ms)
+
+    def GetLoad(
+        self, request: common_pb2.LoadRequest, context: grpc.ServicerContext
+    ) -> common_pb2.WorkerLoad:
+        return common_pb2.WorkerLoad(
+            num_requests=self._gate.num_in_flight + self._service.num_holds,
+            num_blocks_in_use=self._metrics.last_blocks_in_use,
+            num_blocks_total=self._info.num_blocks,
+        )
+
+    def GetInfo(
+        self, request: common_pb2.WorkerInfoRequest, context: grpc.ServicerContext
+    ) -> common_pb2.WorkerInfo:
+        return self._info
+
+
+def _status_for(error: Exception) -> grpc.StatusCode:
+    # The engine signals a full pool with its own error type; match by name to stay decoupled.
+    if "OutOfBlocks" in type(error).__name__:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.INTERNAL

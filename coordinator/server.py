@@ -1,0 +1,88 @@
+"""`beamsplit serve coordinator`: the client-facing front door over pools of workers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from beamsplit.client_api_servicer import ClientApiServicer
+from beamsplit.metrics import ServerMetrics
+from beamsplit.request_validation import ModelLimits
+from beamsplit.server_common import (
+    ShutdownGate,
+    announce,
+    configure_logging,
+    run_until_signalled,
+    start_grpc_server,
+)
+from beamsplit.v1 import common_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from coordinator.service import CoordinatorService, CoordinatorSettings
+from coordinator.worker_pool import WorkerPool
+from engine.model_config import ModelConfig
+from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "beamsplit.v1.Coordinator"
+
+
+def load_client_tokenizer(model: str) -> Tokenizer:
+    if model == "tiny":
+        return ByteTokenizer()
+    config = ModelConfig.from_file(Path(model) / "config.json")
+    return load_tokenizer(model, config.bos_token_id, config.eos_token_id)
+
+
+def _split(addresses: str) -> list[str]:
+    return [address.strip() for address in addresses.split(",") if address.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("coordinator")
+    metrics = ServerMetrics("coordinator")
+    context_pool = WorkerPool("context", _split(args.context), worker_pb2_grpc.ContextWorkerStub)
+    generation_pool = WorkerPool("generation", _split(args.generation), worker_pb2_grpc.GenerationWorkerStub)
+    context_pool.start()
+    generation_pool.start()
+    infos: list[common_pb2.WorkerInfo] = []
+    for pool in (context_pool, generation_pool):
+        info = pool.wait_for_info(args.wait_for_workers_s)
+        if info is None:
+            print(
+                f"[coordinator] no {pool.kind} worker answered within {args.wait_for_workers_s:.0f} s",
+                file=sys.stderr,
+            )
+            context_pool.close()
+            generation_pool.close()
+            return 1
+        infos.append(info)
+    fleet_info = infos[0]
+    for pool in (context_pool, generation_pool):
+        pool.set_expected_info(fleet_info)
+    tokenizer = load_client_tokenizer(args.model or fleet_info.model)
+    limits = ModelLimits(
+        vocab_size=fleet_info.vocab_size,
+        max_model_len=fleet_info.max_model_len,
+        eos_token_id=fleet_info.eos_token_id if fleet_info.HasField("eos_token_id") else None,
+    )
+    settings = CoordinatorSettings(max_attempts=max(1, args.max_attempts), lease_s=args.lease_s)
+    service = CoordinatorService(context_pool, generation_pool, tokenizer, limits, settings)
+    gate = ShutdownGate()
+    servicer = ClientApiServicer(service, gate, metrics, "coordinator")
+    server = start_grpc_server(
+        args.host,
+        args.port,
+        lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
+        gate,
+    )
+    metrics.serve(args.metrics_port, args.host)
+    server.set_serving([SERVICE_NAME])
+    announce("coordinator", server, args.host, args.metrics_port)
+
+    def cleanup() -> None:
+        context_pool.close()
+        generation_pool.close()
+        metrics.close()
+
+    return run_until_signalled(server, cleanup, args.shutdown_grace_s)

@@ -1,0 +1,150 @@
+"""The workers of one kind the coordinator may route to, with their health and load.
+
+A probe thread asks every worker for its health (and, when healthy, its load) on a timer. Routing
+picks the least loaded worker among those whose last probe said SERVING and whose layout agrees
+with the fleet's; a worker that fails a call is marked unhealthy at once and stays out of
+routing until a probe finds it serving again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from beamsplit.server_common import check_health
+from beamsplit.v1 import common_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    channel: grpc.Channel
+    stub: Any  # ContextWorkerStub or GenerationWorkerStub
+    is_healthy: bool = False
+    info: common_pb2.WorkerInfo | None = None
+    reported_requests: int = 0
+    num_in_flight: int = 0  # requests this coordinator has routed here and not finished
+    mismatch: str | None = None  # why this worker's layout cannot serve with the fleet
+
+    @property
+    def load(self) -> int:
+        return max(self.reported_requests, self.num_in_flight)
+
+
+@dataclass
+class WorkerPool:
+    kind: str  # "context" | "generation"
+    addresses: list[str]
+    stub_factory: Callable[[grpc.Channel], Any]
+    probe_interval_s: float = 0.5
+    probe_timeout_s: float = 1.0
+    workers: list[WorkerHandle] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.workers = []
+        for address in self.addresses:
+            channel = grpc.insecure_channel(address)
+            self.workers.append(WorkerHandle(address, channel, self.stub_factory(channel)))
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._probe_forever, name=f"probe-{self.kind}", daemon=True)
+        self._expected_info: common_pb2.WorkerInfo | None = None
+
+    def start(self) -> None:
+        self.probe_all()
+        self._thread.start()
+
+    def wait_for_info(self, timeout_s: float) -> common_pb2.WorkerInfo | None:
+        """Blocks until one worker has described itself (or the bound passes)."""
+        with self._changed:
+            self._changed.wait_for(lambda: any(worker.info is not None for worker in self.workers), timeout_s)
+            for worker in self.workers:
+                if worker.info is not None:
+                    return worker.info
+        return None
+
+    def set_expected_info(self, info: common_pb2.WorkerInfo) -> None:
+        with self._lock:
+            self._expected_info = info
+            for worker in self.workers:
+                worker.mismatch = _layout_mismatch(info, worker.info)
+
+    def pick(self) -> WorkerHandle | None:
+        """The least loaded healthy worker, counted as in flight until `finish`; None if none."""
+        with self._lock:
+            candidates = [worker for worker in self.workers if worker.is_healthy and worker.mismatch is None]
+            if not candidates:
+                return None
+            chosen = min(candidates, key=lambda worker: (worker.load, worker.num_in_flight))
+            chosen.num_in_flight += 1
+            return chosen
+
+    def finish(self, worker: WorkerHandle) -> None:
+        with self._lock:
+            worker.num_in_flight -= 1
+
+    def mark_unhealthy(self, worker: WorkerHandle, reason: str) -> None:
+        with self._lock:
+            if worker.is_healthy:
+                logger.warning("%s worker %s marked unhealthy: %s", self.kind, worker.address, reason)
+            worker.is_healthy = False
+
+    def num_healthy(self) -> int:
+        with self._lock:
+            return sum(1 for worker in self.workers if worker.is_healthy and worker.mismatch is None)
+
+    def close(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        for worker in self.workers:
+            worker.channel.close()
+
+    def probe_all(self) -> None:
+        for worker in self.workers:
+            self._probe(worker)
+
+    def _probe_forever(self) -> None:
+        while not self._stopping.wait(self.probe_interval_s):
+            self.probe_all()
+
+    def _probe(self, worker: WorkerHandle) -> None:
+        is_healthy = check_health(worker.channel, self.probe_timeout_s)
+        info = worker.info
+        reported_requests = worker.reported_requests
+        if is_healthy:
+            try:
+                if info is None:
+                    info = worker.stub.GetInfo(common_pb2.WorkerInfoRequest(), timeout=self.probe_timeout_s)
+                load = worker.stub.GetLoad(common_pb2.LoadRequest(), timeout=self.probe_timeout_s)
+                reported_requests = load.num_requests
+            except grpc.RpcError:
+                is_healthy = False
+        with self._changed:
+            if is_healthy != worker.is_healthy:
+                logger.info(
+                    "%s worker %s is %s", self.kind, worker.address, "healthy" if is_healthy else "unhealthy"
+                )
+            worker.is_healthy = is_healthy
+            worker.info = info
+            worker.reported_requests = reported_requests
+            if self._expected_info is not None:
+                worker.mismatch = _layout_mismatch(self._expected_info, info)
+            self._changed.notify_all()
+
+
+def _layout_mismatch(expected: common_pb2.WorkerInfo, info: common_pb2.WorkerInfo | None) -> str | None:
+    if info is None:
+        return "not described yet"
+    for name in ("model", "dtype", "tokens_per_block", "page_bytes", "vocab_size"):
+        if getattr(info, name) != getattr(expected, name):
+            return f"{name} {getattr(info, name)!r} differs from the fleet's {getattr(expected, name)!r}"
+    return None

@@ -1,0 +1,80 @@
+"""`beamsplit serve generation`: wires the engine, the transfer agent and the servicer together."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from beamsplit.metrics import ServerMetrics
+from beamsplit.server_common import (
+    ShutdownGate,
+    announce,
+    configure_logging,
+    run_until_signalled,
+    start_grpc_server,
+)
+from beamsplit.v1 import worker_pb2_grpc
+from beamsplit.worker_setup import (
+    KV_REGION_NAME,
+    engine_config_from_args,
+    model_limits,
+    start_engine,
+    start_transfer_agent,
+    worker_info,
+)
+from generation_worker.context_client import ContextClient
+from generation_worker.service import GenerationService, GenerationTimeouts, LocalLayout
+from generation_worker.servicer import GenerationWorkerServicer
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "beamsplit.v1.GenerationWorker"
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("generation")
+    metrics = ServerMetrics("generation")
+    handle = start_engine(engine_config_from_args(args), metrics)
+    agent = start_transfer_agent(handle, args.host)
+    info = worker_info(handle)
+    layout = LocalLayout(
+        region_name=KV_REGION_NAME,
+        tokens_per_block=info.tokens_per_block,
+        page_bytes=info.page_bytes,
+        dtype=info.dtype,
+        model=info.model,
+    )
+    gate = ShutdownGate()
+    context_client = ContextClient()
+    service = GenerationService(
+        handle.loop,
+        agent,
+        layout,
+        context_client,
+        metrics,
+        gate,
+        GenerationTimeouts(pull_s=args.pull_timeout_s),
+    )
+    servicer = GenerationWorkerServicer(
+        service, gate, handle.engine.tokenizer, model_limits(handle.engine), info, metrics
+    )
+    server = start_grpc_server(
+        args.host,
+        args.port,
+        lambda grpc_server: worker_pb2_grpc.add_GenerationWorkerServicer_to_server(servicer, grpc_server),
+        gate,
+    )
+    metrics.serve(args.metrics_port, args.host)
+    server.set_serving([SERVICE_NAME])
+    announce("generation", server, args.host, args.metrics_port, f", ucx {agent.address}")
+
+    def cleanup() -> None:
+        try:
+            remaining = handle.loop.call(lambda engine: engine.num_blocks_in_use(), timeout_s=10.0)
+            logger.info("blocks in use at exit: %d", remaining)
+        finally:
+            handle.loop.stop()
+            context_client.close()
+            agent.close()
+            metrics.close()
+
+    return run_until_signalled(server, cleanup, args.shutdown_grace_s)

@@ -1,0 +1,243 @@
+"""The generation worker's logic, free of gRPC: take over a prefilled prompt and decode W beams.
+
+Order, and why:
+1. `reserve_prompt`: match this engine's own prefix tree, allocate only the missing pages.
+2. Pull exactly the missing pages from the context worker (heartbeats keep its lease alive).
+3. Tell the context worker to release: its pages are no longer needed once ours are filled.
+4. Only then `add_prefilled_request`: the prompt expands to W beams inside the engine, so the
+   prompt crossed the wire once whatever W is.
+5. Stream the engine's outputs.
+Any exit before the end (cancel, deadline, pull failure, shutdown) undoes exactly what was done:
+cancel the reservation or abort the request, and release the context worker's hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import grpc
+
+from beamsplit.engine_loop import EngineLoop, follow_stream
+from beamsplit.metrics import ServerMetrics
+from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.v1 import worker_pb2
+from beamsplit.wire import ServiceError
+from engine.config import SamplingParams
+from engine.types import PromptReservation, RequestOutput
+from generation_worker.context_client import ContextClient
+from transfer import TransferAgent, TransferStatus
+
+logger = logging.getLogger(__name__)
+
+TERMINAL_STATUSES = (
+    TransferStatus.DONE,
+    TransferStatus.FAILED,
+    TransferStatus.CANCELLED,
+    TransferStatus.TIMED_OUT,
+)
+POLL_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    region_name: str
+    tokens_per_block: int
+    page_bytes: int
+    dtype: str
+    model: str
+
+
+@dataclass(frozen=True)
+class GenerationTimeouts:
+    engine_s: float = 120.0  # one engine command (reserve, add, abort)
+    pull_s: float = 30.0  # the whole pull
+    heartbeat_interval_s: float = 5.0  # how often the context worker's lease is extended
+    lease_extend_s: float = 30.0
+    output_s: float = 120.0  # silence from the engine before the request is failed
+
+
+@dataclass(frozen=True)
+class PullResult:
+    num_blocks: int
+    num_bytes: int
+    transfer_ms: float
+
+
+class GenerationService:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        agent: TransferAgent,
+        layout: LocalLayout,
+        context_client: ContextClient,
+        metrics: ServerMetrics,
+        gate: ShutdownGate,
+        timeouts: GenerationTimeouts,
+    ) -> None:
+        self._loop = loop
+        self._agent = agent
+        self._layout = layout
+        self._context_client = context_client
+        self._metrics = metrics
+        self._gate = gate
+        self._timeouts = timeouts
+        self._cancel_events: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            events = [event for key, event in self._cancel_events.items() if key.split("#")[0] == request_id]
+        for event in events:
+            event.set()
+        return bool(events)
+
+    def generate(
+        self,
+        handoff: worker_pb2.Handoff,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        salt: bytes,
+        is_client_gone: Callable[[], bool],
+    ) -> Generator[RequestOutput, None, None]:
+        self._check_handoff(handoff, prompt_ids)
+        engine_request_id = f"{handoff.request_id}#{handoff.attempt}"
+        cancelled = threading.Event()
+        with self._lock:
+            self._cancel_events[engine_request_id] = cancelled
+
+        def stop_reason() -> ServiceError | None:
+            if self._gate.is_aborting:
+                return ServiceError(grpc.StatusCode.UNAVAILABLE, f"generation worker: {SHUTDOWN_MESSAGE}")
+            if cancelled.is_set() or is_client_gone():
+                return ServiceError(grpc.StatusCode.CANCELLED, "generation worker: request cancelled")
+            return None
+
+        stream = self._loop.open_stream(engine_request_id)
+        is_reserved = is_added = is_finished = is_released = False
+        release_reason = "failed"
+        try:
+            reservation: PromptReservation = self._loop.call(
+                lambda engine: engine.reserve_prompt(engine_request_id, prompt_ids, salt=salt, params=params),
+                timeout_s=self._timeouts.engine_s,
+            )
+            is_reserved = True
+            pull = self._pull(handoff, reservation, stop_reason)
+            self._context_client.release(handoff.context_address, handoff.transfer_id, "pulled")
+            is_released = True
+            self._loop.call(
+                lambda engine: engine.add_prefilled_request(
+                    reservation,
+                    prompt_ids,
+                    params,
+                    list(handoff.candidate_ids),
+                    list(handoff.candidate_logprobs),
+                ),
+                timeout_s=self._timeouts.engine_s,
+            )
+            is_added = True
+            reused_tokens = min(
+                len(prompt_ids), reservation.num_cached_blocks * self._layout.tokens_per_block
+            )
+            for output in follow_stream(stream, stop_reason, self._timeouts.output_s):
+                if output.finished:
+                    is_finished = True
+                    output.stats.update(
+                        generation_reused_tokens=reused_tokens,
+                        transferred_blocks=pull.num_blocks,
+                        transferred_bytes=pull.num_bytes,
+                        transfer_ms=pull.transfer_ms,
+                    )
+                yield output
+                if output.finished:
+                    return
+        except ServiceError as error:
+            release_reason = error.message
+            raise
+        finally:
+            if not is_released:
+                self._context_client.release(handoff.context_address, handoff.transfer_id, release_reason)
+            if is_added and not is_finished:
+                self._loop.submit(lambda engine: engine.abort(engine_request_id))
+            elif is_reserved and not is_added:
+                self._loop.submit(lambda engine: engine.cancel_reservation(engine_request_id))
+            self._loop.close_stream(engine_request_id)
+            with self._lock:
+                self._cancel_events.pop(engine_request_id, None)
+
+    def _check_handoff(self, handoff: worker_pb2.Handoff, prompt_ids: list[int]) -> None:
+        layout = handoff.layout
+        ours = self._layout
+        if (layout.tokens_per_block, layout.page_bytes, layout.dtype) != (
+            ours.tokens_per_block,
+            ours.page_bytes,
+            ours.dtype,
+        ):
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"generation worker: page layout mismatch: context has block {layout.tokens_per_block}, "
+                f"{layout.page_bytes} B/page, {layout.dtype}; this worker has block {ours.tokens_per_block}, "
+                f"{ours.page_bytes} B/page, {ours.dtype}",
+            )
+        expected_pages = -(-len(prompt_ids) // ours.tokens_per_block)
+        if handoff.prompt_len != len(prompt_ids) or len(handoff.page_ids) != expected_pages:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"handoff.prompt_len/page_ids: {handoff.prompt_len} tokens in {len(handoff.page_ids)} pages "
+                f"do not describe a prompt of {len(prompt_ids)} tokens ({expected_pages} pages)",
+            )
+
+    def _pull(
+        self,
+        handoff: worker_pb2.Handoff,
+        reservation: PromptReservation,
+        stop_reason: Callable[[], ServiceError | None],
+    ) -> PullResult:
+        dst_page_ids = list(reservation.missing_block_ids)
+        src_page_ids = [int(page) for page in handoff.page_ids[reservation.num_cached_blocks :]]
+        if not dst_page_ids:
+            return PullResult(0, 0, 0.0)
+        started = time.perf_counter()
+        handle = self._agent.pull(
+            handoff.ucx_address,
+            handoff.transfer_id,
+            handoff.secret,
+            handoff.layout.region,
+            src_page_ids,
+            self._layout.region_name,
+            dst_page_ids,
+            timeout_s=self._timeouts.pull_s,
+        )
+        deadline = time.monotonic() + self._timeouts.pull_s
+        next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
+        while True:
+            status = handle.wait(POLL_INTERVAL_S)
+            if status in TERMINAL_STATUSES:
+                break
+            reason = stop_reason()
+            if reason is None and time.monotonic() > deadline:
+                reason = ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "generation worker: pull timed out")
+            if reason is None and time.monotonic() > next_heartbeat:
+                next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
+                if not self._context_client.heartbeat(
+                    handoff.context_address, handoff.transfer_id, self._timeouts.lease_extend_s
+                ):
+                    reason = ServiceError(
+                        grpc.StatusCode.UNAVAILABLE, "context worker dropped the prompt's pages"
+                    )
+            if reason is not None:
+                handle.cancel()
+                raise reason
+        if status != TransferStatus.DONE:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"pull of {len(dst_page_ids)} pages from context worker {handoff.ucx_address} failed: "
+                f"{status.name}: {handle.error}",
+            )
+        transfer_ms = (time.perf_counter() - started) * 1000.0
+        self._metrics.transferred_blocks.inc(len(dst_page_ids))
+        self._metrics.transferred_bytes.inc(handle.bytes_moved)
+        return PullResult(len(dst_page_ids), int(handle.bytes_moved), transfer_ms)

@@ -1,0 +1,120 @@
+"""gRPC edge of the generation worker: messages in, `GenerationService` calls, messages out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from beamsplit.engine_loop import EngineLoopError, RequestDroppedError
+from beamsplit.metrics import ServerMetrics
+from beamsplit.request_validation import ModelLimits, RequestValidationError, sampling_params_from_proto
+from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from beamsplit.wire import ServiceError, beams_to_proto, delta_to_proto, engine_stats_to_map
+from engine.tokenizer import Tokenizer
+from generation_worker.service import GenerationService
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
+    def __init__(
+        self,
+        service: GenerationService,
+        gate: ShutdownGate,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        info: common_pb2.WorkerInfo,
+        metrics: ServerMetrics,
+    ) -> None:
+        self._service = service
+        self._gate = gate
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._info = info
+        self._metrics = metrics
+
+    def Generate(
+        self, request: worker_pb2.GenerationRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.GenerateResponse]:
+        if not self._gate.enter():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"generation worker: {SHUTDOWN_MESSAGE}")
+        request_id = request.handoff.request_id
+        outcome = "error"
+        self._metrics.requests_in_flight.inc()
+        try:
+            params = sampling_params_from_proto(request.sampling, self._limits)
+            outputs = self._service.generate(
+                request.handoff,
+                list(request.prompt_token_ids),
+                params,
+                bytes(request.salt),
+                is_client_gone=lambda: not context.is_active(),
+            )
+            try:
+                for output in outputs:
+                    if any(output.new_token_ids):
+                        delta = delta_to_proto(output, self._tokenizer)
+                        yield common_pb2.GenerateResponse(request_id=request_id, delta=delta)
+                    if output.finished:
+                        final = common_pb2.FinalResult(
+                            beams=beams_to_proto(output.beams, self._tokenizer),
+                            stats=_stats_to_proto(output.stats),
+                        )
+                        outcome = "ok"
+                        yield common_pb2.GenerateResponse(request_id=request_id, final=final)
+            finally:
+                outputs.close()  # runs the service's cleanup now, not whenever the generator is collected
+        except RequestValidationError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except ServiceError as error:
+            outcome = error.code.name.lower()
+            context.abort(error.code, error.message)
+        except RequestDroppedError as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"generation worker: {error}")
+        except EngineLoopError as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"generation worker: {error}")
+        except Exception as error:
+            logger.exception("generation of %s failed", request_id)
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if "OutOfBlocks" in type(error).__name__
+                else grpc.StatusCode.INTERNAL
+            )
+            context.abort(code, f"generation worker: {type(error).__name__}: {error}")
+        finally:
+            self._metrics.requests.labels(outcome=outcome).inc()
+            self._metrics.requests_in_flight.dec()
+            self._gate.exit()
+
+    def Cancel(
+        self, request: worker_pb2.CancelRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.CancelResponse:
+        return worker_pb2.CancelResponse(cancelled=self._service.cancel(request.request_id))
+
+    def GetLoad(
+        self, request: common_pb2.LoadRequest, context: grpc.ServicerContext
+    ) -> common_pb2.WorkerLoad:
+        return common_pb2.WorkerLoad(
+            num_requests=self._gate.num_in_flight,
+            num_blocks_in_use=self._metrics.last_blocks_in_use,
+            num_blocks_total=self._info.num_blocks,
+        )
+
+    def GetInfo(
+        self, request: common_pb2.WorkerInfoRequest, context: grpc.ServicerContext
+    ) -> common_pb2.WorkerInfo:
+        return self._info
+
+
+def _stats_to_proto(stats: dict[str, float | int]) -> common_pb2.RequestStats:
+    return common_pb2.RequestStats(
+        prompt_tokens=int(stats.get("prompt_tokens", 0)),
+        generation_reused_tokens=int(stats.get("generation_reused_tokens", 0)),
+        transferred_blocks=int(stats.get("transferred_blocks", 0)),
+        transferred_bytes=int(stats.get("transferred_bytes", 0)),
+        transfer_ms=float(stats.get("transfer_ms", 0.0)),
+        engine=engine_stats_to_map(stats),
+    )
