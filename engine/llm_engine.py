@@ -258,9 +258,9 @@ class LLMEngine:
         self.scheduler.remove(request)
         if request.error is not None:
             return RequestOutput(request.request_id, [], True, stats=request.stats(), error=request.error)
-        deltas, parents = request.take_deltas()
-        beams = request.decoder.final_beams()
-        return RequestOutput(request.request_id, deltas, True, beams, request.stats(), parent_indices=parents)
+        # The last step's running beams are not the answer: the final output carries whole beams.
+        request.take_deltas()
+        return RequestOutput(request.request_id, [], True, request.decoder.final_beams(), request.stats())
 
     def _check_new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

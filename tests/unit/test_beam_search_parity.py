@@ -1,0 +1,202 @@
+"""Beam search parity with transformers' `generate`, float64, on random tiny Llama checkpoints.
+
+Every listed value is covered (prompt lengths 1, 31, 32, 33, 64, 67; widths 1-4; length penalty
+below, at and above 1; early stopping True, False and "never"; no eos, and an eos the reference
+actually produces) without the full cross product: case i takes value i mod n of each axis, with
+the axes' lengths coprime enough that the combinations vary. Width 1 is greedy search on both
+sides (transformers reports no sequence score for it; the token log-probs are compared instead).
+
+Each case checks: every beam's tokens equal, scores within 1e-6, the finish reasons, and the
+pool back to zero blocks in use.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from tests.helpers.checkpoints import write_random_llama_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENS = (1, 31, 32, 33, 64, 67)
+BEAM_WIDTHS = (1, 2, 3, 4)
+LENGTH_PENALTIES = (0.5, 1.0, 2.0)
+EARLY_STOPPING: tuple[bool | str, ...] = (True, False, "never")
+# name -> (num_heads, num_kv_heads, tie_word_embeddings)
+CHECKPOINT_KINDS = {
+    "gqa_untied": (4, 2, False),
+    "mha_tied": (4, 4, True),
+    "gqa_tied": (4, 1, True),
+    "mha_untied": (2, 2, False),
+}
+NUM_CASES = 48
+MAX_NEW_TOKENS = 10
+SCORE_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str
+    prompt_len: int
+    beam_width: int
+    length_penalty: float
+    early_stopping: bool | str
+    tokens_per_block: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.kind}-P{self.prompt_len}-W{self.beam_width}-lp{self.length_penalty}"
+            f"-es{self.early_stopping}-T{self.tokens_per_block}"
+        )
+
+
+def build_cases() -> list[Case]:
+    kinds = list(CHECKPOINT_KINDS)
+    return [
+        Case(
+            kind=kinds[index % len(kinds)],
+            prompt_len=PROMPT_LENS[index % len(PROMPT_LENS)],
+            beam_width=BEAM_WIDTHS[(index // 2) % len(BEAM_WIDTHS)],
+            length_penalty=LENGTH_PENALTIES[index % len(LENGTH_PENALTIES)],
+            early_stopping=EARLY_STOPPING[(index // 3) % len(EARLY_STOPPING)],
+            tokens_per_block=(32, 16)[(index // 4) % 2],
+        )
+        for index in range(NUM_CASES)
+    ]
+
+
+CASES = build_cases()
+
+
+@dataclass
+class Reference:
+    model: torch.nn.Module
+    engines: dict[int, LLMEngine]  # by tokens_per_block
+    vocab_size: int
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Reference]]:
+    torch.set_num_threads(1)
+    result = {}
+    for seed, (kind, (num_heads, num_kv_heads, tied)) in enumerate(CHECKPOINT_KINDS.items()):
+        directory: Path = tmp_path_factory.mktemp(kind)
+        write_random_llama_checkpoint(
+            directory, num_heads=num_heads, num_kv_heads=num_kv_heads, tie_word_embeddings=tied, seed=seed
+        )
+        model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+        engines = {
+            size: LLMEngine(
+                EngineConfig(
+                    model=str(directory),
+                    dtype="float64",
+                    cache=CacheConfig(tokens_per_block=size, num_blocks=128),
+                )
+            )
+            for size in (16, 32)
+        }
+        result[kind] = Reference(model, engines, model.config.vocab_size)
+    yield result
+
+
+def reference_generate(
+    model: torch.nn.Module, prompt: list[int], case: Case, eos_token_id: int | None
+) -> list[tuple[list[int], float, bool]]:
+    """transformers' beams: (generated tokens cut after the first eos, score, stopped on eos)."""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = eos_token_id
+    config.pad_token_id = 0
+    config.max_new_tokens = MAX_NEW_TOKENS
+    config.num_beams = case.beam_width
+    config.num_return_sequences = case.beam_width
+    config.length_penalty = case.length_penalty
+    config.early_stopping = case.early_stopping
+    config.do_sample = False
+    config.return_dict_in_generate = True
+    config.output_scores = True
+    with torch.no_grad():
+        output = model.generate(torch.tensor([prompt]), generation_config=config)
+    beams = []
+    for index in range(case.beam_width):
+        tokens = output.sequences[index, len(prompt) :].tolist()
+        stopped = eos_token_id is not None and eos_token_id in tokens
+        if stopped:
+            tokens = tokens[: tokens.index(eos_token_id) + 1]
+        if case.beam_width > 1:
+            score = float(output.sequences_scores[index])
+        else:
+            # Greedy: the summed float32 log-probs of the chosen tokens, normalised like a beam.
+            logprob = sum(
+                float(torch.log_softmax(step_scores[0].to(torch.float32), dim=-1)[token])
+                for step_scores, token in zip(output.scores, tokens, strict=False)
+            )
+            score = logprob / len(tokens) ** case.length_penalty
+        beams.append((tokens, score, stopped))
+    return beams
+
+
+def pick_produced_eos(model: torch.nn.Module, prompt: list[int], case: Case, tokens: list[int]) -> int:
+    """A token of the reference's best beam that, made the eos, ends at least one returned beam."""
+    for token in tokens[1:] + tokens[:1]:
+        if any(stopped for _, _, stopped in reference_generate(model, prompt, case, token)):
+            return token
+    raise AssertionError(f"no token of {tokens} ends a beam as eos")
+
+
+@pytest.mark.parametrize("with_eos", [False, True], ids=["no_eos", "eos"])
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_beams_match_transformers(
+    references: dict[str, Reference], case: Case, with_eos: bool, record_property: pytest.RecordProperty
+) -> None:
+    reference = references[case.kind]
+    generator = torch.Generator().manual_seed(case.prompt_len * 31 + case.beam_width)
+    prompt = torch.randint(3, reference.vocab_size, (case.prompt_len,), generator=generator).tolist()
+    expected = reference_generate(reference.model, prompt, case, None)
+    eos_token_id = pick_produced_eos(reference.model, prompt, case, expected[0][0]) if with_eos else None
+    if eos_token_id is not None:
+        expected = reference_generate(reference.model, prompt, case, eos_token_id)
+
+    engine = reference.engines[case.tokens_per_block]
+    params = SamplingParams(
+        beam_width=case.beam_width,
+        max_new_tokens=MAX_NEW_TOKENS,
+        length_penalty=case.length_penalty,
+        early_stopping=case.early_stopping,
+        eos_token_id=eos_token_id,
+        ignore_eos=eos_token_id is None,
+    )
+    output = engine.generate(prompt, params)
+    engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
+
+    assert len(output.beams) == len(expected) == case.beam_width
+    for index, (beam, (tokens, score, stopped)) in enumerate(zip(output.beams, expected, strict=True)):
+        assert beam.token_ids == tokens, f"beam {index}"
+        assert math.isclose(beam.score, score, rel_tol=0.0, abs_tol=SCORE_TOLERANCE), f"beam {index}"
+        assert beam.finish_reason == ("stop" if stopped else "length"), f"beam {index}"
+        normalised = beam.cumulative_logprob / len(beam.token_ids) ** case.length_penalty
+        assert math.isclose(normalised, beam.score, rel_tol=1e-6), f"beam {index}"
+    num_stopped = sum(stopped for _, _, stopped in expected)
+    record_property("beams_compared", case.beam_width)
+    record_property("beams_stopped_on_eos", num_stopped)
+    print(f"{case.name} eos={eos_token_id}: {case.beam_width} beams equal, {num_stopped} stopped on eos")
+
+
+def test_cases_cover_every_listed_value() -> None:
+    assert {case.prompt_len for case in CASES} == set(PROMPT_LENS)
+    assert {case.beam_width for case in CASES} == set(BEAM_WIDTHS)
+    assert {case.length_penalty for case in CASES} == set(LENGTH_PENALTIES)
+    assert {case.early_stopping for case in CASES} == set(EARLY_STOPPING)
+    assert {case.kind for case in CASES} == set(CHECKPOINT_KINDS)
+    beam_cases = [case for case in CASES if case.beam_width > 1]
+    assert {case.early_stopping for case in beam_cases} == set(EARLY_STOPPING)
+    assert {case.length_penalty for case in beam_cases} == set(LENGTH_PENALTIES)
