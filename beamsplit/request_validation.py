@@ -91,6 +91,7 @@ def sampling_params_from_proto(
         "early_stopping": EARLY_STOPPING_FROM_PROTO.get(options.early_stopping, options.early_stopping),
         "temperature": options.temperature,
         "top_k": options.top_k,
+        "ignore_eos": options.ignore_eos,
     }
     for name in ("beam_width", "max_new_tokens", "length_penalty", "eos_token_id", "top_p", "seed"):
         if options.HasField(name):
@@ -121,6 +122,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingOptio
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
+        ignore_eos=params.ignore_eos,
     )
     if params.eos_token_id is not None:
         options.eos_token_id = params.eos_token_id

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x65\x61msplit/v1/common.proto\x12\x0c\x62\x65\x61msplit.v1\"\xd8\x02\n\x0fSamplingOptions\x12\x17\n\nbeam_width\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x33\n\x0e\x65\x61rly_stopping\x18\x04 \x01(\x0e\x32\x1b.beamsplit.v1.EarlyStopping\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x42\r\n\x0b_beam_widthB\x11\n\x0f_max_new_tokensB\x11\n\x0f_length_penaltyB\x0f\n\r_eos_token_idB\x08\n\x06_top_pB\x07\n\x05_seed\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"U\n\x05\x44\x65lta\x12%\n\x05\x62\x65\x61ms\x18\x01 \x03(\x0b\x32\x16.beamsplit.v1.TokenIds\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x16\n\x0eparent_indices\x18\x03 \x03(\x05\"i\n\x04\x42\x65\x61m\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"\xed\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1d\n\x15\x63ontext_reused_tokens\x18\x02 \x01(\x03\x12 \n\x18generation_reused_tokens\x18\x03 \x01(\x03\x12\x1a\n\x12transferred_blocks\x18\x04 \x01(\x03\x12\x19\n\x11transferred_bytes\x18\x05 \x01(\x03\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x01\x12\x16\n\x0e\x63ontext_worker\x18\t \x01(\t\x12\x19\n\x11generation_worker\x18\n \x01(\t\x12\x36\n\x06\x65ngine\x18\x0b \x03(\x0b\x32&.beamsplit.v1.RequestStats.EngineEntry\x1a-\n\x0b\x45ngineEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"[\n\x0b\x46inalResult\x12!\n\x05\x62\x65\x61ms\x18\x01 \x03(\x0b\x32\x12.beamsplit.v1.Beam\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.beamsplit.v1.RequestStats\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x13.beamsplit.v1.DeltaH\x00\x12*\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x19.beamsplit.v1.FinalResultH\x00\x42\x06\n\x04kind\"\r\n\x0bLoadRequest\"W\n\nWorkerLoad\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x05\x12\x19\n\x11num_blocks_in_use\x18\x02 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x03 \x01(\x05\"\x13\n\x11WorkerInfoRequest\"\xc3\x01\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x12\n\npage_bytes\x18\x08 \x01(\x03\x42\x0f\n\r_eos_token_id*\\\n\rEarlyStopping\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x65\x61msplit/v1/common.proto\x12\x0c\x62\x65\x61msplit.v1\"\xec\x02\n\x0fSamplingOptions\x12\x17\n\nbeam_width\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x33\n\x0e\x65\x61rly_stopping\x18\x04 \x01(\x0e\x32\x1b.beamsplit.v1.EarlyStopping\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_beam_widthB\x11\n\x0f_max_new_tokensB\x11\n\x0f_length_penaltyB\x0f\n\r_eos_token_idB\x08\n\x06_top_pB\x07\n\x05_seed\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"U\n\x05\x44\x65lta\x12%\n\x05\x62\x65\x61ms\x18\x01 \x03(\x0b\x32\x16.beamsplit.v1.TokenIds\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x16\n\x0eparent_indices\x18\x03 \x03(\x05\"i\n\x04\x42\x65\x61m\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"\xed\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1d\n\x15\x63ontext_reused_tokens\x18\x02 \x01(\x03\x12 \n\x18generation_reused_tokens\x18\x03 \x01(\x03\x12\x1a\n\x12transferred_blocks\x18\x04 \x01(\x03\x12\x19\n\x11transferred_bytes\x18\x05 \x01(\x03\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x01\x12\x16\n\x0e\x63ontext_worker\x18\t \x01(\t\x12\x19\n\x11generation_worker\x18\n \x01(\t\x12\x36\n\x06\x65ngine\x18\x0b \x03(\x0b\x32&.beamsplit.v1.RequestStats.EngineEntry\x1a-\n\x0b\x45ngineEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"[\n\x0b\x46inalResult\x12!\n\x05\x62\x65\x61ms\x18\x01 \x03(\x0b\x32\x12.beamsplit.v1.Beam\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.beamsplit.v1.RequestStats\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x13.beamsplit.v1.DeltaH\x00\x12*\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x19.beamsplit.v1.FinalResultH\x00\x42\x06\n\x04kind\"\r\n\x0bLoadRequest\"W\n\nWorkerLoad\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x05\x12\x19\n\x11num_blocks_in_use\x18\x02 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x03 \x01(\x05\"\x13\n\x11WorkerInfoRequest\"\xc3\x01\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x12\n\npage_bytes\x18\x08 \x01(\x03\x42\x0f\n\r_eos_token_id*\\\n\rEarlyStopping\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTSTATS_ENGINEENTRY']._loaded_options = None
   _globals['_REQUESTSTATS_ENGINEENTRY']._serialized_options = b'8\001'
-  _globals['_EARLYSTOPPING']._serialized_start=1530
-  _globals['_EARLYSTOPPING']._serialized_end=1622
+  _globals['_EARLYSTOPPING']._serialized_start=1550
+  _globals['_EARLYSTOPPING']._serialized_end=1642
   _globals['_SAMPLINGOPTIONS']._serialized_start=44
-  _globals['_SAMPLINGOPTIONS']._serialized_end=388
-  _globals['_TOKENIDS']._serialized_start=390
-  _globals['_TOKENIDS']._serialized_end=419
-  _globals['_DELTA']._serialized_start=421
-  _globals['_DELTA']._serialized_end=506
-  _globals['_BEAM']._serialized_start=508
-  _globals['_BEAM']._serialized_end=613
-  _globals['_REQUESTSTATS']._serialized_start=616
-  _globals['_REQUESTSTATS']._serialized_end=981
-  _globals['_REQUESTSTATS_ENGINEENTRY']._serialized_start=936
-  _globals['_REQUESTSTATS_ENGINEENTRY']._serialized_end=981
-  _globals['_FINALRESULT']._serialized_start=983
-  _globals['_FINALRESULT']._serialized_end=1074
-  _globals['_GENERATERESPONSE']._serialized_start=1077
-  _globals['_GENERATERESPONSE']._serialized_end=1205
-  _globals['_LOADREQUEST']._serialized_start=1207
-  _globals['_LOADREQUEST']._serialized_end=1220
-  _globals['_WORKERLOAD']._serialized_start=1222
-  _globals['_WORKERLOAD']._serialized_end=1309
-  _globals['_WORKERINFOREQUEST']._serialized_start=1311
-  _globals['_WORKERINFOREQUEST']._serialized_end=1330
-  _globals['_WORKERINFO']._serialized_start=1333
-  _globals['_WORKERINFO']._serialized_end=1528
+  _globals['_SAMPLINGOPTIONS']._serialized_end=408
+  _globals['_TOKENIDS']._serialized_start=410
+  _globals['_TOKENIDS']._serialized_end=439
+  _globals['_DELTA']._serialized_start=441
+  _globals['_DELTA']._serialized_end=526
+  _globals['_BEAM']._serialized_start=528
+  _globals['_BEAM']._serialized_end=633
+  _globals['_REQUESTSTATS']._serialized_start=636
+  _globals['_REQUESTSTATS']._serialized_end=1001
+  _globals['_REQUESTSTATS_ENGINEENTRY']._serialized_start=956
+  _globals['_REQUESTSTATS_ENGINEENTRY']._serialized_end=1001
+  _globals['_FINALRESULT']._serialized_start=1003
+  _globals['_FINALRESULT']._serialized_end=1094
+  _globals['_GENERATERESPONSE']._serialized_start=1097
+  _globals['_GENERATERESPONSE']._serialized_end=1225
+  _globals['_LOADREQUEST']._serialized_start=1227
+  _globals['_LOADREQUEST']._serialized_end=1240
+  _globals['_WORKERLOAD']._serialized_start=1242
+  _globals['_WORKERLOAD']._serialized_end=1329
+  _globals['_WORKERINFOREQUEST']._serialized_start=1331
+  _globals['_WORKERINFOREQUEST']._serialized_end=1350
+  _globals['_WORKERINFO']._serialized_start=1353
+  _globals['_WORKERINFO']._serialized_end=1548
 # @@protoc_insertion_point(module_scope)

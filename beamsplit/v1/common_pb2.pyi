@@ -17,7 +17,7 @@ EARLY_STOPPING_TRUE: EarlyStopping
 EARLY_STOPPING_NEVER: EarlyStopping
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("beam_width", "max_new_tokens", "length_penalty", "early_stopping", "eos_token_id", "temperature", "top_k", "top_p", "seed")
+    __slots__ = ("beam_width", "max_new_tokens", "length_penalty", "early_stopping", "eos_token_id", "temperature", "top_k", "top_p", "seed", "ignore_eos")
     BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class SamplingOptions(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     beam_width: int
     max_new_tokens: int
     length_penalty: float
@@ -36,7 +37,8 @@ class SamplingOptions(_message.Message):
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)

@@ -1,0 +1,125 @@
+"""Starts `beamsplit serve ...` processes on loopback and stops them by pid, for the demo and the
+integration tests. Every wait is bounded; a process that dies while starting is reported with
+the tail of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from beamsplit.metrics import read_gauge
+from beamsplit.server_common import wait_until_healthy
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port free right now (the kernel's choice); a later bind races only with other binders."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def metric(self, name: str, timeout_s: float = 5.0) -> float | None:
+        url = f"http://{HOST}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return read_gauge(response.read().decode(), name)
+
+
+@dataclass
+class ProcessGroup:
+    """Processes started together and stopped together (SIGTERM, then SIGKILL after a bound)."""
+
+    log_dir: Path
+    processes: list[ServerProcess] = field(default_factory=list)
+
+    def start(self, name: str, role: str, arguments: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+        port, metrics_port = free_port(), free_port()
+        command = [
+            sys.executable, "-m", "beamsplit.cli", "serve", role,
+            "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_port), *arguments,
+        ]  # fmt: skip
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher, which stops us
+            )
+        server = ServerProcess(name, process, port, metrics_port, log_path)
+        self.processes.append(server)
+        return server
+
+    def wait_healthy(self, server: ServerProcess, timeout_s: float) -> float:
+        """Seconds it took; raises RuntimeError (with the log's tail) on death or timeout."""
+        started = time.monotonic()
+        if not wait_until_healthy(server.address, timeout_s, is_alive=server.is_alive):
+            state = "exited" if not server.is_alive() else f"not healthy after {timeout_s:.0f} s"
+            raise RuntimeError(f"{server.name} ({server.address}) {state}; log:\n{server.log_tail()}")
+        return time.monotonic() - started
+
+    def stop(self, server: ServerProcess, timeout_s: float = 15.0) -> int | None:
+        if server.is_alive():
+            os.kill(server.pid, signal.SIGTERM)
+            try:
+                return server.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(server.pid, signal.SIGKILL)
+        return server.process.wait(timeout=timeout_s)
+
+    def kill(self, server: ServerProcess) -> None:
+        if server.is_alive():
+            os.kill(server.pid, signal.SIGKILL)
+        server.process.wait(timeout=10.0)
+
+    def stop_all(self, timeout_s: float = 15.0) -> dict[str, int | None]:
+        """Exit codes by name; stops in reverse start order (the front door first)."""
+        for server in reversed(self.processes):
+            if server.is_alive():
+                os.kill(server.pid, signal.SIGTERM)
+        codes: dict[str, int | None] = {}
+        deadline = time.monotonic() + timeout_s
+        for server in reversed(self.processes):
+            try:
+                codes[server.name] = server.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.kill(server.pid, signal.SIGKILL)
+                codes[server.name] = server.process.wait(timeout=10.0)
+        return codes
