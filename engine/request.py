@@ -145,7 +145,7 @@ class Request:
             "copied_blocks": self.copied_blocks,
             "peak_blocks": self.peak_blocks,
             "formula_blocks": self.formula_blocks,
-            "generated_tokens": self.num_steps,
+            "decode_steps": self.num_steps,
             "total_s": end - times.arrival,
         }
         if times.admitted is not None:
