@@ -5,6 +5,7 @@ the worker's self-description, and its transfer agent with the KV pool registere
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,17 +79,31 @@ def worker_info(handle: EngineHandle) -> common_pb2.WorkerInfo:
 
 def start_transfer_agent(handle: EngineHandle, host: str) -> Any:
     """A UCX agent with the engine's whole KV pool registered as `KV_REGION_NAME`."""
+    region = handle.engine.kv_region()
+    if os.environ.get("BEAMSPLIT_DEV_TRANSFER") == "socket":  # TEMPORARY until transfer/ lands
+        import enum
+
+        from beamsplit.dev_socket_transfer import DevSocketTransferAgent
+
+        status = enum.Enum("TransferStatus", "PENDING TRANSFERRING DONE FAILED CANCELLED TIMED_OUT")
+
+        @dataclass(frozen=True)
+        class Offer:
+            transfer_id: str
+            secret: str
+            address: str
+            expires_at: float
+
+        agent: Any = DevSocketTransferAgent(host, status, Offer)
+        agent.register(KV_REGION_NAME, region)
+        return agent
     from transfer import MemoryRegion, UcxTransferAgent
 
-    region = handle.engine.kv_region()
     agent = UcxTransferAgent(host=host)
     agent.register(
         KV_REGION_NAME,
         MemoryRegion(
-            address=region.address,
-            page_bytes=region.page_bytes,
-            num_pages=region.num_pages,
-            device=region.device,
+            address=region.address, page_bytes=region.page_bytes, num_pages=region.num_pages, device=region.device
         ),
     )
     return agent

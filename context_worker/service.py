@@ -16,11 +16,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from beamsplit.engine_loop import EngineLoop
 from beamsplit.metrics import ServerMetrics
-from transfer import TransferAgent, TransferStatus
+
+if TYPE_CHECKING:
+    from transfer import TransferAgent, TransferStatus
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ class ContextService:
             with self._lock:
                 self._ended_before_recorded.add(transfer_id)
             return
-        if status == TransferStatus.DONE:
+        if status.name == "DONE":
             self._metrics.transferred_blocks.inc(hold.num_pages)
         logger.info("offer %s ended: %s", transfer_id, status.name)
         self._release_pages(hold.engine_request_id)

@@ -118,10 +118,14 @@ class CoordinatorService:
         attempt_state: _Attempt,
         is_last: bool,
     ) -> Iterator[common_pb2.GenerateResponse]:
+        # Both workers are chosen before any work starts: no prefill for a request nobody can decode.
         context_worker = self._context_pool.pick()
         if context_worker is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no healthy context worker")
-        generation_worker: WorkerHandle | None = None
+        generation_worker = self._generation_pool.pick()
+        if generation_worker is None:
+            self._context_pool.finish(context_worker)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no healthy generation worker")
         handoff: worker_pb2.Handoff | None = None
         is_streaming = False
         try:
@@ -148,9 +152,6 @@ class CoordinatorService:
             handoff.context_address = context_worker.address
             if attempt_state.is_cancelled:
                 raise ServiceError(grpc.StatusCode.CANCELLED, "request cancelled by the client")
-            generation_worker = self._generation_pool.pick()
-            if generation_worker is None:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no healthy generation worker")
             call = generation_worker.stub.Generate(
                 worker_pb2.GenerationRequest(
                     handoff=handoff, prompt_token_ids=prompt_ids, sampling=sampling, salt=validated.salt
@@ -183,8 +184,7 @@ class CoordinatorService:
             if handoff is not None:
                 self._release(context_worker, handoff.transfer_id)
             self._context_pool.finish(context_worker)
-            if generation_worker is not None:
-                self._generation_pool.finish(generation_worker)
+            self._generation_pool.finish(generation_worker)
 
     def _upstream_error(
         self, pool: WorkerPool, worker: WorkerHandle, error: grpc.RpcError, is_last: bool, streamed: bool

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -29,16 +30,14 @@ from beamsplit.wire import ServiceError
 from engine.config import SamplingParams
 from engine.types import PromptReservation, RequestOutput
 from generation_worker.context_client import ContextClient
-from transfer import TransferAgent, TransferStatus
+
+if TYPE_CHECKING:
+    from transfer import TransferAgent
 
 logger = logging.getLogger(__name__)
 
-TERMINAL_STATUSES = (
-    TransferStatus.DONE,
-    TransferStatus.FAILED,
-    TransferStatus.CANCELLED,
-    TransferStatus.TIMED_OUT,
-)
+# Compared by name so this module needs transfer/ only for its types.
+TERMINAL_STATUS_NAMES = ("DONE", "FAILED", "CANCELLED", "TIMED_OUT")
 POLL_INTERVAL_S = 0.1
 
 
@@ -215,7 +214,7 @@ class GenerationService:
         next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
         while True:
             status = handle.wait(POLL_INTERVAL_S)
-            if status in TERMINAL_STATUSES:
+            if status.name in TERMINAL_STATUS_NAMES:
                 break
             reason = stop_reason()
             if reason is None and time.monotonic() > deadline:
@@ -231,7 +230,7 @@ class GenerationService:
             if reason is not None:
                 handle.cancel()
                 raise reason
-        if status != TransferStatus.DONE:
+        if status.name != "DONE":
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"pull of {len(dst_page_ids)} pages from context worker {handoff.ucx_address} failed: "
