@@ -202,6 +202,9 @@ class LLMEngine:
             raise ValueError("prompt_ids differ from the reserved prompt")
         self._check_new_request(request_id, prompt_ids, params)
         request = self._make_request(request_id, prompt_ids, params, held.salt)
+        # The decoder checks the candidates before anything else changes: a refusal leaves the
+        # reservation as it was.
+        first_step = request.decoder.start(list(candidate_ids), list(candidate_logprobs))
         del self._reservations[request_id]
         request.tables = [held.table]
         request.reused_tokens = reservation.num_cached_blocks * self.cache_config.tokens_per_block
@@ -210,8 +213,7 @@ class LLMEngine:
         self.kv_cache.commit(held.table, request.prompt_ids, held.salt)
         self._requests[request_id] = request
         self.scheduler.add_running(request)
-        request.record_step(request.decoder.start(list(candidate_ids), list(candidate_logprobs)))
-        request.state = RequestState.DECODING
+        request.record_step(first_step)
         if request.decoder.is_done:
             self._ready_outputs.append(self._finish(request))
 

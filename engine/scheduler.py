@@ -88,7 +88,9 @@ class Scheduler:
         own timers; while they exist a stuck batch waits for them instead of failing a request."""
         batch = ScheduledBatch()
         for request in list(self.running):
-            if request.state is RequestState.DECODING and self._grow(request, batch):
+            if request.state is RequestState.PREFILLING:
+                batch.prefills.append(request)  # admitted, but its forward did not complete
+            elif request.state is RequestState.DECODING and self._grow(request, batch):
                 batch.decodes.append(request)
         self._admit(batch)
         if batch.is_empty and self.running and not blocks_held_elsewhere:
