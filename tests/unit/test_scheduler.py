@@ -220,3 +220,32 @@ def test_streamed_deltas_rebuild_the_running_beams() -> None:
             ]
             assert live == engine.scheduler.running[0].decoder.running_token_ids()
     assert final.new_token_ids == [] and len(final.beams) == 3
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "expected_tables", "expected_copies"),
+    [
+        # 64 = 2 full blocks: shared by all beams, each beam takes a fresh block for its first token.
+        (64, [[0, 1, 2], [0, 1, 3], [0, 1, 4], [0, 1, 5]], 0),
+        # 67: the 3-token tail is kept by beam 0 and copied into one new block per further beam.
+        (67, [[0, 1, 2], [0, 1, 3], [0, 1, 4], [0, 1, 5]], 3),
+    ],
+)
+def test_expansion_shares_full_prompt_blocks_and_copies_the_tail(
+    prompt_len: int, expected_tables: list[list[int]], expected_copies: int
+) -> None:
+    cache = CacheConfig(tokens_per_block=32, num_blocks=16)
+    engine = LLMEngine(EngineConfig(dtype="float64", cache=cache))
+    engine.add_request("r", prompt_of(prompt_len, 3), SamplingParams(beam_width=4, max_new_tokens=3))
+    engine.step()  # prefill; the first step is decided, the tables not yet expanded
+    request = engine.scheduler.running[0]
+    assert [table.block_ids for table in request.tables] == [[0, 1, 2] if prompt_len == 67 else [0, 1]]
+    engine.step()  # expansion to 4 beams plus one slot each, then the second token
+    engine.check_integrity()
+    assert [table.block_ids for table in request.tables] == expected_tables
+    assert request.copied_blocks == expected_copies
+    assert request.peak_blocks == 6 == request.formula_blocks
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
