@@ -85,7 +85,7 @@ def start_transfer_agent(handle: EngineHandle, host: str) -> Any:
 
         from beamsplit.dev_socket_transfer import DevSocketTransferAgent
 
-        status = enum.Enum("TransferStatus", "PENDING TRANSFERRING DONE FAILED CANCELLED TIMED_OUT")
+        TransferStatus = enum.Enum("TransferStatus", "PENDING TRANSFERRING DONE FAILED CANCELLED TIMED_OUT")
 
         @dataclass(frozen=True)
         class Offer:
@@ -94,7 +94,7 @@ def start_transfer_agent(handle: EngineHandle, host: str) -> Any:
             address: str
             expires_at: float
 
-        agent: Any = DevSocketTransferAgent(host, status, Offer)
+        agent: Any = DevSocketTransferAgent(host, TransferStatus, Offer)
         agent.register(KV_REGION_NAME, region)
         return agent
     from transfer import MemoryRegion, UcxTransferAgent
