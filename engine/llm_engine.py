@@ -225,6 +225,7 @@ class LLMEngine:
         return self.kv_cache.num_blocks_in_use()
 
     def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
         tables = list(self.scheduler.live_tables())
         tables.extend(self._prefilled.values())
         tables.extend(reservation.table for reservation in self._reservations.values())
@@ -277,8 +278,9 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         vocab_size = self.model_config.vocab_size
-        if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
-            raise ValueError(f"prompt_ids must be in [0, vocab_size={vocab_size})")
+        bad_ids = [token_id for token_id in prompt_ids if not 0 <= token_id < vocab_size]
+        if bad_ids:
+            raise ValueError(f"prompt_ids must be in [0, vocab_size={vocab_size}), got {bad_ids[:5]}")
         limit = self.model_config.max_position_embeddings
         if len(prompt_ids) + max_new_tokens > limit:
             raise ValueError(

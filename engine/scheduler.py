@@ -170,6 +170,18 @@ class Scheduler:
         self.remove(request)
         batch.failed.append(request)
 
+    def check_integrity(self) -> None:
+        """The batch's own invariants (the cache checks its reference counts separately)."""
+        for request in self.waiting:
+            assert not request.tables, f"waiting request {request.request_id} holds blocks"
+        for request in self.running:
+            assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.request_id
+            assert request.tables, f"running request {request.request_id} holds no table"
+            # Beams move in lockstep: k decided tokens means k - 1 fed (k once grown for the next).
+            fed = request.prompt_len + max(request.num_steps - 1, 0)
+            assert all(table.num_tokens in (fed, fed + 1) for table in request.tables), request.request_id
+            assert request.peak_blocks <= request.formula_blocks, f"{request.request_id} exceeds its bound"
+
     # -- bookkeeping -------------------------------------------------------------------------
     def _formula(self, request: Request) -> int:
         return self.kv_cache.blocks_needed(
