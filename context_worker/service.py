@@ -70,8 +70,7 @@ class ContextService:
         self._default_lease_s = default_lease_s
         self._engine_timeout_s = engine_timeout_s
         self._holds: dict[str, _Hold] = {}
-        self._ended_before_recorded: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._reaper = threading.Thread(target=self._reap_forever, name="lease-reaper", daemon=True)
         self._reaper.start()
@@ -98,22 +97,17 @@ class ContextService:
             timeout_s=self._engine_timeout_s,
         )
         prefill_ms = (time.perf_counter() - started) * 1000.0
-        try:
-            offer = self._agent.offer(
-                self._region_name, list(result.block_ids), lease_s, on_done=self._on_offer_done
-            )
-        except Exception:
-            self._release_pages(engine_request_id)
-            raise
+        # The lock spans offer and record so that an on_done from the agent's timer (which takes
+        # the lock) always finds the hold. The agent fires on_done outside its own locks.
         with self._lock:
-            ended_already = offer.transfer_id in self._ended_before_recorded
-            self._ended_before_recorded.discard(offer.transfer_id)
-            if not ended_already:
-                self._holds[offer.transfer_id] = _Hold(
-                    engine_request_id, len(result.block_ids), offer.expires_at
+            try:
+                offer = self._agent.offer(
+                    self._region_name, list(result.block_ids), lease_s, on_done=self._on_offer_done
                 )
-        if ended_already:
-            self._release_pages(engine_request_id)
+            except Exception:
+                self._release_pages(engine_request_id)
+                raise
+            self._holds[offer.transfer_id] = _Hold(engine_request_id, len(result.block_ids), offer.expires_at)
         return HeldPrompt(
             request_id=request_id,
             attempt=attempt,
@@ -166,9 +160,7 @@ class ContextService:
     def _on_offer_done(self, transfer_id: str, status: TransferStatus) -> None:
         # Runs on the agent's thread: never call back into the agent from here.
         hold = self._pop_hold(transfer_id)
-        if hold is None:
-            with self._lock:
-                self._ended_before_recorded.add(transfer_id)
+        if hold is None:  # ended through release(), which already returned the pages
             return
         if status.name == "DONE":
             self._metrics.transferred_blocks.inc(hold.num_pages)
