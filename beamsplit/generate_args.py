@@ -14,21 +14,21 @@ if TYPE_CHECKING:
     from engine import SamplingParams
 
 # engine config field -> the flag that sets it, so an engine error names what the user typed
-FIELD_FLAGS = {
-    "tokens_per_block": "--tokens-per-block",
-    "num_blocks": "--num-blocks",
-    "dtype": "--dtype",
-    "beam_width": "--beam-width",
-    "max_new_tokens": "--max-new-tokens",
-    "length_penalty": "--length-penalty",
-    "early_stopping": "--early-stopping",
-    "eos_token_id": "--eos-token-id",
-    "temperature": "--temperature",
-    "top_k": "--top-k",
-    "top_p": "--top-p",
-    "prompt_ids": "--token-ids/--prompt",
-    "beam search needs enable_partial_commit": "--enable-partial-commit",
-}
+FIELD_FLAGS = (
+    ("tokens_per_block", "--tokens-per-block"),
+    ("num_blocks", "--num-blocks"),
+    ("dtype", "--dtype"),
+    ("beam_width", "--beam-width"),
+    ("max_new_tokens", "--max-new-tokens"),
+    ("length_penalty", "--length-penalty"),
+    ("early_stopping", "--early-stopping"),
+    ("eos_token_id", "--eos-token-id"),
+    ("temperature", "--temperature"),
+    ("top_k", "--top-k"),
+    ("top_p", "--top-p"),
+    ("prompt_ids", "--token-ids/--prompt"),
+    ("beam search needs enable_partial_commit", "--enable-partial-commit"),
+)
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -138,7 +138,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _name_the_flag(message: str) -> str:
-    for field, flag in FIELD_FLAGS.items():
+    for field, flag in FIELD_FLAGS:
         if message.startswith(field):
             return f"argument {flag}: {message}"
     return message
