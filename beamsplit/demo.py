@@ -21,6 +21,10 @@ from beamsplit.output import beam_record, format_result
 ALIGNED_PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps."[:64]
 UNALIGNED_PROMPT = "Disaggregated inference ships the prompt's KV pages exactly once, ok?"[:67]
 MAX_SCORE_DIFFERENCE = 1e-9  # float64: beams must agree far below any score gap
+SHOWN_STATS = (
+    "prompt_tokens", "context_reused_tokens", "generation_reused_tokens", "transferred_blocks",
+    "transferred_bytes", "transfer_ms", "ttft_ms", "e2e_ms", "context_worker", "generation_worker",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,8 @@ def _run_cases(coordinator_address: str, aggregated_address: str, max_new_tokens
             reference = aggregated.generate(request, timeout_s=120.0)
             print(f"\n=== {index}. {case.title}\n    prompt: {case.prompt!r}", flush=True)
             records = [beam_record(beam, text) for beam, text in zip(result.beams, result.texts, strict=True)]
-            print(_indent(format_result(records, result.stats, as_json=False)), flush=True)
+            stats = {name: result.stats[name] for name in SHOWN_STATS}
+            print(_indent(format_result(records, stats, as_json=False)), flush=True)
             matches, worst = _compare(result.beams, reference.beams)
             is_ok = is_ok and matches
             verdict = "equal" if matches else "DIFFERENT"

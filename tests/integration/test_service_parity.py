@@ -7,10 +7,14 @@ afterwards every KV pool must be back to zero blocks in use (read through /metri
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,3 +167,26 @@ def test_streaming_deltas_match_final_beams(
         assert history[-1] == [result.beams[0].token_ids[:-1]]
     # Both servers stream the same live beams (their deltas may group steps differently).
     assert history[-1] == reference.streamed_beams()[-1]
+
+
+STATS_KEYS = (
+    "prompt_tokens", "context_reused_tokens", "generation_reused_tokens", "transferred_blocks",
+    "transferred_bytes", "transfer_ms", "ttft_ms", "e2e_ms", "context_worker", "generation_worker",
+)  # fmt: skip
+
+
+def test_generate_target_prints_the_offline_json(cluster: LocalCluster) -> None:
+    token_ids = ",".join(str(token) for token in prompt_tokens(67, seed=700))
+    arguments = ["--token-ids", token_ids, "--beam-width", "2", "--max-new-tokens", "4", "--json"]
+
+    def run(*extra: str) -> dict[str, Any]:
+        command = [sys.executable, "-m", "beamsplit.cli", "generate", *arguments, *extra]
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(completed.stdout)  # type: ignore[no-any-return]
+
+    remote = run("--target", cluster.coordinator.address)
+    offline = run("--dtype", "float64")
+    assert remote["beams"] == offline["beams"]
+    assert all(key in remote["stats"] for key in STATS_KEYS), remote["stats"]
+    assert remote["stats"]["generation_worker"] == cluster.generation.address
+    assert_pools_empty(cluster)
