@@ -61,7 +61,7 @@ class AggregatedService:
             return None
 
         stream = self._loop.open_stream(engine_request_id)
-        is_added = is_finished = False
+        is_finished = False
         first_token_at: float | None = None
         try:
             self._loop.call(
@@ -70,7 +70,6 @@ class AggregatedService:
                 ),
                 timeout_s=self._engine_timeout_s,
             )
-            is_added = True
             for output in follow_stream(stream, stop_reason, self._engine_timeout_s):
                 if any(output.new_token_ids):
                     first_token_at = first_token_at or time.perf_counter()
@@ -100,6 +99,6 @@ class AggregatedService:
         except EngineLoopError as error:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"aggregated server: {error}") from error
         finally:
-            if is_added and not is_finished:
+            if not is_finished:  # abort is a no-op for an id the engine never took
                 self._loop.submit(lambda engine: engine.abort(engine_request_id))
             self._loop.close_stream(engine_request_id)

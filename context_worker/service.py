@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from beamsplit.engine_loop import EngineLoop
+from beamsplit.engine_loop import EngineLoop, EngineLoopError
 from beamsplit.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -92,10 +92,15 @@ class ContextService:
         lease_s = lease_s if lease_s > 0 else self._default_lease_s
         engine_request_id = f"{request_id}#{attempt}"
         started = time.perf_counter()
-        result = self._loop.call(
-            lambda engine: engine.prefill(engine_request_id, prompt_ids, num_candidates, salt=salt),
-            timeout_s=self._engine_timeout_s,
-        )
+        try:
+            result = self._loop.call(
+                lambda engine: engine.prefill(engine_request_id, prompt_ids, num_candidates, salt=salt),
+                timeout_s=self._engine_timeout_s,
+            )
+        except EngineLoopError:
+            # The prefill may still run after the bound: unpin whatever it pins (queued after it).
+            self._release_pages(engine_request_id)
+            raise
         prefill_ms = (time.perf_counter() - started) * 1000.0
         # The lock spans offer and record so that an on_done from the agent's timer (which takes
         # the lock) always finds the hold. The agent fires on_done outside its own locks.

@@ -116,14 +116,13 @@ class GenerationService:
             return None
 
         stream = self._loop.open_stream(engine_request_id)
-        is_reserved = is_added = is_finished = is_released = False
+        is_finished = is_released = False
         release_reason = "failed"
         try:
             reservation: PromptReservation = self._loop.call(
                 lambda engine: engine.reserve_prompt(engine_request_id, prompt_ids, salt=salt, params=params),
                 timeout_s=self._timeouts.engine_s,
             )
-            is_reserved = True
             pull = self._pull(handoff, reservation, stop_reason)
             self._context_client.release(handoff.context_address, handoff.transfer_id, "pulled")
             is_released = True
@@ -137,7 +136,6 @@ class GenerationService:
                 ),
                 timeout_s=self._timeouts.engine_s,
             )
-            is_added = True
             reused_tokens = min(
                 len(prompt_ids), reservation.num_cached_blocks * self._layout.tokens_per_block
             )
@@ -159,10 +157,10 @@ class GenerationService:
         finally:
             if not is_released:
                 self._context_client.release(handoff.context_address, handoff.transfer_id, release_reason)
-            if is_added and not is_finished:
+            if not is_finished:
+                # abort drops the request wherever it is (reserved or decoding) and is a no-op for
+                # an unknown id, so it also covers an engine call that timed out but ran later.
                 self._loop.submit(lambda engine: engine.abort(engine_request_id))
-            elif is_reserved and not is_added:
-                self._loop.submit(lambda engine: engine.cancel_reservation(engine_request_id))
             self._loop.close_stream(engine_request_id)
             with self._lock:
                 self._cancel_events.pop(engine_request_id, None)
