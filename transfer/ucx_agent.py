@@ -1,0 +1,300 @@
+"""UcxTransferAgent: pulls pages between processes with UCX tagged messages, zero-copy at both ends.
+
+One thread owns everything that moves: the control listener and connections (a selector), the UCX
+worker (it calls progress), the sessions and every deadline. Public methods are thread-safe: they
+validate, then hand the loop a command and wake it; `revoke`, `cancel` and `close` wait (bounded)
+until the loop has done it, so stats are exact when they return. While any session is live the
+loop polls without sleeping (UCX needs progress calls to move data); idle, it sleeps a tick.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from transfer.agent import (
+    AgentStats,
+    MemoryRegion,
+    Offer,
+    OnDone,
+    PullHandle,
+    TransferAgent,
+    TransferError,
+    TransferStatus,
+)
+from transfer.control import Connection, ControlMessage, MessageKind, ProtocolError
+from transfer.offer_book import OfferBook
+from transfer.pages import RegionTable, check_page_ids, plan_runs
+from transfer.ucx_binding import UcxBinding, load_binding
+from transfer.ucx_sessions import HolderSession, PullSession, Session
+
+_IDLE_TICK_S = 0.005
+_COMMAND_WAIT_S = 5.0
+_CONNECT_TIMEOUT_S = 2.0
+_ENDPOINT_LINGER_S = 5.0  # closed endpoints are kept referenced while UCX finishes closing them
+
+
+class UcxTransferAgent(TransferAgent):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, binding: str | None = None) -> None:
+        """Listens for pulls on host:port (loopback unless told otherwise; port 0 picks a free one)."""
+        self._binding: UcxBinding = load_binding(binding)
+        self._listener = socket.create_server((host, port))
+        self._listener.setblocking(False)
+        advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+        self.address = f"{advertised}:{self._listener.getsockname()[1]}"
+        self._regions = RegionTable()
+        self._book = OfferBook(self.address, self._regions)
+        self._selector = selectors.DefaultSelector()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_reader, selectors.EVENT_READ, None)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sessions: dict[int, Session] = {}  # by control socket fd
+        self._closing: list[tuple[float, Any]] = []
+        self._tags = itertools.count(1)
+        self._lock = threading.Lock()
+        self._is_closed = False
+        self._thread = threading.Thread(target=self._run, name=f"ucx-agent-{self.address}", daemon=True)
+        self._thread.start()
+
+    # ---- holder side -------------------------------------------------------------------------
+    def register(self, name: str, region: MemoryRegion) -> None:
+        self._regions.register(name, region)
+
+    def offer(self, region: str, page_ids: list[int], ttl_s: float, on_done: OnDone | None = None) -> Offer:
+        self._check_open()
+        return self._book.create(region, page_ids, ttl_s, on_done)
+
+    def extend(self, transfer_id: str, ttl_s: float) -> bool:
+        return self._book.extend(transfer_id, ttl_s)
+
+    def revoke(self, transfer_id: str) -> None:
+        self._call_in_loop(
+            lambda: self._end_offer(transfer_id, TransferStatus.CANCELLED, "revoked by the holder")
+        )
+
+    # ---- puller side -------------------------------------------------------------------------
+    def pull(
+        self,
+        peer_address: str,
+        transfer_id: str,
+        secret: str,
+        src_region: str,
+        src_page_ids: list[int],
+        dst_region: str,
+        dst_page_ids: list[int],
+        timeout_s: float,
+        checksum: bool = False,
+    ) -> PullHandle:
+        handle = PullHandle(transfer_id, 0, lambda: self._call_in_loop(lambda: self._cancel_pull(handle)))
+        try:
+            self._check_open()
+            destination = self._regions.get(dst_region)
+            check_page_ids(dst_page_ids, destination, dst_region)
+            runs = plan_runs(src_page_ids, dst_page_ids)
+            if checksum and destination.device != "cpu":
+                raise TransferError("checksum is only supported for host memory")
+        except TransferError as error:
+            handle._finish(TransferStatus.FAILED, str(error))
+            return handle
+        handle.reserved_bytes = len(dst_page_ids) * destination.page_bytes
+        message = ControlMessage(
+            MessageKind.PULL,
+            transfer_id,
+            secret=secret,
+            region=src_region,
+            runs=[(run.src_first, run.num_pages) for run in runs],
+            tag_base=next(self._tags) << 32,  # tags must be unique on this worker; run index below
+            worker_address=self._binding.worker_address.hex(),
+            timeout_s=timeout_s,
+            checksum=checksum,
+        )
+        deadline = time.monotonic() + timeout_s
+        self._post(
+            lambda: self._start_pull(peer_address, handle, destination, runs, checksum, deadline, message)
+        )
+        return handle
+
+    def stats(self) -> AgentStats:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        pulls = [s for s in sessions if isinstance(s, PullSession) and not s.is_ended]
+        served = [
+            s
+            for s in sessions
+            if isinstance(s, HolderSession) and s.transfer_id is not None and not s.is_ended
+        ]
+        pull_bytes = sum(session.handle.reserved_bytes for session in pulls)
+        return AgentStats(
+            len(pulls) + len(served), self._book.num_offers(), self._book.reserved_bytes() + pull_bytes
+        )
+
+    def close(self) -> None:
+        """Cancels every live pull and offer (telling the peers), then stops the loop."""
+        if self._is_closed:
+            return
+        self._call_in_loop(self._shutdown)
+        self._is_closed = True
+        self._post(lambda: None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=_COMMAND_WAIT_S)
+
+    # ---- plumbing between callers and the loop -----------------------------------------------
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise TransferError("the transfer agent is closed")
+
+    def _post(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        try:
+            self._wake_writer.send(b"\0")
+        except OSError:
+            pass  # the loop has stopped; the command will never run, callers' waits are bounded
+
+    def _call_in_loop(self, command: Callable[[], None]) -> None:
+        if threading.current_thread() is self._thread:
+            command()  # e.g. revoke() from an on_done callback
+            return
+        finished = threading.Event()
+
+        def run_then_signal() -> None:
+            try:
+                command()
+            finally:
+                finished.set()
+
+        self._post(run_then_signal)
+        finished.wait(_COMMAND_WAIT_S)
+
+    # ---- everything below runs on the loop thread --------------------------------------------
+    def _run(self) -> None:
+        while not (self._is_closed and self._commands.empty()):
+            with self._lock:
+                is_busy = bool(self._sessions)
+            for key, _ in self._selector.select(0 if is_busy else _IDLE_TICK_S):
+                self._on_readable(key)
+            while not self._commands.empty():
+                self._commands.get()()
+            self._binding.progress()
+            self._poll_sessions(time.monotonic())
+        self._selector.close()
+        self._listener.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
+        self._binding.close()
+
+    def _on_readable(self, key: selectors.SelectorKey) -> None:
+        if key.fileobj is self._wake_reader:
+            while True:
+                try:
+                    if not self._wake_reader.recv(4096):
+                        break
+                except BlockingIOError:
+                    break
+        elif key.fileobj is self._listener:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            self._add_session(HolderSession(self._binding, Connection(sock), self._book, self._regions))
+        else:
+            self._on_control_data(key.data)
+
+    def _on_control_data(self, session: Session) -> None:
+        assert isinstance(session, (HolderSession, PullSession))
+        try:
+            messages, has_ended = session.connection.receive()
+        except ProtocolError as error:
+            session.end(TransferStatus.FAILED, str(error), notify=True)
+            return
+        for message in messages:
+            if not session.is_ended:
+                session.on_message(message)
+        if has_ended and not session.is_ended:
+            session.on_end_of_stream()
+
+    def _add_session(self, session: Session) -> None:
+        self._selector.register(session.connection.sock, selectors.EVENT_READ, session)
+        with self._lock:
+            self._sessions[session.connection.sock.fileno()] = session
+
+    def _poll_sessions(self, now: float) -> None:
+        with self._lock:
+            sessions = list(self._sessions.items())
+        for transfer_id in self._book.expired_ids(now):
+            self._end_offer(transfer_id, TransferStatus.TIMED_OUT, "offer lease lapsed")
+        for fileno, session in sessions:
+            assert isinstance(session, (HolderSession, PullSession))
+            session.poll(now)
+            if session.is_ended:
+                self._forget(fileno, session, now)
+        self._closing = [
+            (since, endpoint) for since, endpoint in self._closing if now - since < _ENDPOINT_LINGER_S
+        ]
+
+    def _forget(self, fileno: int, session: Session, now: float) -> None:
+        try:
+            self._selector.unregister(session.connection.sock)
+        except (KeyError, ValueError):
+            pass  # never registered: the connection failed before
+        session.connection.close()
+        with self._lock:
+            self._sessions.pop(fileno, None)
+        self._closing.extend((now, endpoint) for endpoint in session.closing_endpoints)
+
+    def _start_pull(
+        self,
+        peer_address: str,
+        handle: PullHandle,
+        destination: MemoryRegion,
+        runs: Any,
+        checksum: bool,
+        deadline: float,
+        message: ControlMessage,
+    ) -> None:
+        if handle.status.is_final:
+            return  # cancelled before the loop got to it
+        host, _, port = peer_address.rpartition(":")
+        try:
+            sock = socket.create_connection(
+                (host, int(port)), timeout=min(_CONNECT_TIMEOUT_S, max(0.01, deadline - time.monotonic()))
+            )
+        except (OSError, ValueError) as error:
+            handle._finish(TransferStatus.FAILED, f"cannot connect to holder {peer_address}: {error}")
+            return
+        session = PullSession(self._binding, Connection(sock), handle, destination, runs, checksum, deadline)
+        self._add_session(session)
+        session.start(message)
+
+    def _cancel_pull(self, handle: PullHandle) -> None:
+        for session in self._live_sessions():
+            if isinstance(session, PullSession) and session.handle is handle:
+                session.end(TransferStatus.CANCELLED, "cancelled by the puller", notify=True)
+                return
+        handle._finish(TransferStatus.CANCELLED, "cancelled by the puller")
+
+    def _end_offer(self, transfer_id: str, status: TransferStatus, error: str) -> None:
+        for session in self._live_sessions():
+            if isinstance(session, HolderSession) and session.transfer_id == transfer_id:
+                session.end(status, error, notify=True)
+                return
+        self._book.end(transfer_id, status)
+
+    def _live_sessions(self) -> list[Session]:
+        with self._lock:
+            return [session for session in self._sessions.values() if not session.is_ended]
+
+    def _shutdown(self) -> None:
+        for session in self._live_sessions():
+            assert isinstance(session, (HolderSession, PullSession))
+            session.end(TransferStatus.CANCELLED, "agent closed", notify=True)
+        for transfer_id in self._book.live_ids():
+            self._book.end(transfer_id, TransferStatus.CANCELLED)
+        self._poll_sessions(time.monotonic())

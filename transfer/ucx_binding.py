@@ -1,0 +1,173 @@
+"""The few UCX calls the agent makes, behind one small class per Python binding.
+
+`ucxx` (RAPIDS, the `ucxx-cu12` wheel) is the binding we install and test; `ucp` (ucx-py, its
+predecessor) is accepted when it is the one present. Both sit on the same UCP calls, so the agent
+sees one interface: a worker address as bytes, endpoints created from a peer's worker address,
+tagged sends and receives straight from and into registered memory, and an explicit progress call.
+
+Why these choices (measured on a 2-core host, 4 MiB messages; docs/transfer.md has the numbers):
+- Endpoints come from worker addresses, not from a listener (sockaddr) connection. A sockaddr
+  endpoint with peer error handling restricts UCX to transports that can report a dead peer, which
+  on one host leaves tcp (~0.9 GB/s); a worker-address endpoint without error handling gets shared
+  memory and cross-memory attach, as `ucx_perftest` does. Peer death is detected on the control
+  connection instead (transfer/control.py), and endpoints are closed (cancelling their requests).
+- The agent's own thread calls progress; no binding progress thread, no asyncio, so a request's
+  completion is seen as soon as UCX reports it and nothing else touches the worker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class CudaPages:
+    """A device buffer described by `__cuda_array_interface__`, which both bindings accept."""
+
+    def __init__(self, address: int, num_bytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "data": (address, False),
+            "shape": (num_bytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+class UcxBinding(ABC):
+    """One UCP worker, driven only by the thread that owns the agent's event loop."""
+
+    name: str
+    worker_address: bytes
+
+    @abstractmethod
+    def connect(self, worker_address: bytes) -> Any: ...
+
+    @abstractmethod
+    def send(self, endpoint: Any, buffer: Any, tag: int) -> Any: ...
+
+    @abstractmethod
+    def receive(self, endpoint: Any, buffer: Any, tag: int) -> Any: ...
+
+    @abstractmethod
+    def request_state(self, request: Any) -> tuple[bool, str | None]:
+        """(completed, error message or None)."""
+
+    @abstractmethod
+    def progress(self) -> None: ...
+
+    @abstractmethod
+    def close_endpoint(self, endpoint: Any) -> None:
+        """Closes without waiting for the peer; requests still posted on it end cancelled."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class UcxxBinding(UcxBinding):
+    name = "ucxx"
+
+    def __init__(self) -> None:
+        from ucxx._lib import libucxx
+        from ucxx._lib.arr import Array
+
+        self._api = libucxx
+        self._array = Array
+        self._context = libucxx.UCXContext(feature_flags=(libucxx.Feature.TAG,))
+        self._worker = libucxx.UCXWorker(self._context)
+        self.worker_address = bytes(self._worker.address.tobytes())
+
+    def connect(self, worker_address: bytes) -> Any:
+        address = self._api.UCXAddress.create_from_buffer(worker_address)
+        return self._api.UCXEndpoint.create_from_worker_address(self._worker, address, False)
+
+    def send(self, endpoint: Any, buffer: Any, tag: int) -> Any:
+        return endpoint.tag_send(self._array(buffer), self._api.UCXXTag(tag))
+
+    def receive(self, endpoint: Any, buffer: Any, tag: int) -> Any:
+        # Posted through the endpoint so that closing the endpoint cancels it.
+        return endpoint.tag_recv(self._array(buffer), self._api.UCXXTag(tag))
+
+    def request_state(self, request: Any) -> tuple[bool, str | None]:
+        if not request.completed:
+            return False, None
+        try:
+            request.check_error()
+        except Exception as error:  # the binding raises one class per UCS status
+            return True, f"{type(error).__name__}: {error}"
+        return True, None
+
+    def progress(self) -> None:
+        self._worker.progress()
+
+    def close_endpoint(self, endpoint: Any) -> None:
+        endpoint.close()
+
+    def close(self) -> None:
+        self._worker = None
+        self._context = None
+
+
+class UcpBinding(UcxBinding):
+    """ucx-py's synchronous core API (`ucp._libs.ucx_api`); requests report through callbacks."""
+
+    name = "ucp"
+
+    def __init__(self) -> None:
+        from ucp._libs import ucx_api
+        from ucp._libs.arr import Array
+
+        self._api = ucx_api
+        self._array = Array
+        self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+        self._worker = ucx_api.UCXWorker(self._context)
+        self.worker_address = bytes(memoryview(self._worker.get_address()))
+
+    def connect(self, worker_address: bytes) -> Any:
+        address = self._api.UCXAddress.from_buffer(worker_address)
+        return self._api.UCXEndpoint.create_from_worker_address(
+            self._worker, address, endpoint_error_handling=False
+        )
+
+    def send(self, endpoint: Any, buffer: Any, tag: int) -> Any:
+        state: dict[str, Any] = {"completed": False, "error": None}
+        array = self._array(buffer)
+        self._api.tag_send_nb(endpoint, array, array.nbytes, tag, cb_func=self._on_complete, cb_args=(state,))
+        return state
+
+    def receive(self, endpoint: Any, buffer: Any, tag: int) -> Any:
+        state: dict[str, Any] = {"completed": False, "error": None}
+        array = self._array(buffer)
+        self._api.tag_recv_nb(
+            self._worker, array, array.nbytes, tag, cb_func=self._on_complete, cb_args=(state,), ep=endpoint
+        )
+        return state
+
+    @staticmethod
+    def _on_complete(request: Any, exception: Exception | None, state: dict[str, Any]) -> None:
+        state["completed"] = True
+        state["error"] = None if exception is None else f"{type(exception).__name__}: {exception}"
+
+    def request_state(self, request: Any) -> tuple[bool, str | None]:
+        return bool(request["completed"]), request["error"]
+
+    def progress(self) -> None:
+        self._worker.progress()
+
+    def close_endpoint(self, endpoint: Any) -> None:
+        endpoint.close()
+
+    def close(self) -> None:
+        self._worker = None
+        self._context = None
+
+
+def load_binding(preferred: str | None = None) -> UcxBinding:
+    """The named binding, or ucxx if installed, else ucp."""
+    names = [preferred] if preferred else ["ucxx", "ucp"]
+    for name in names:
+        if name == "ucxx" and importlib.util.find_spec("ucxx") is not None:
+            return UcxxBinding()
+        if name == "ucp" and importlib.util.find_spec("ucp") is not None:
+            return UcpBinding()
+    raise RuntimeError(f"no UCX Python binding found (tried {', '.join(str(name) for name in names)})")

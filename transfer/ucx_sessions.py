@@ -1,0 +1,256 @@
+"""One pull seen from each side, as a small state machine run by the agent's event-loop thread.
+
+Invariant on both sides: a session's UCX endpoint is closed (cancelling every request still
+posted on it) before the session reports its end, so once a handle or an offer has ended no byte
+of it can still land in, or be read from, the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transfer.agent import MemoryRegion, PullHandle, TransferError, TransferStatus
+from transfer.control import Connection, ControlMessage, MessageKind
+from transfer.offer_book import OfferBook, OfferEntry
+from transfer.pages import PageRun, checksum_runs, host_view
+from transfer.ucx_binding import CudaPages, UcxBinding
+
+
+def page_buffer(region: MemoryRegion, first_page: int, num_pages: int) -> Any:
+    """The pages as a buffer UCX reads or writes in place (no staging copy)."""
+    if region.device == "cpu":
+        return host_view(region, first_page, num_pages)
+    return CudaPages(region.address + first_page * region.page_bytes, num_pages * region.page_bytes)
+
+
+class UcxRequests:
+    """Requests of one session, kept with the buffers they point into until they complete."""
+
+    def __init__(self, binding: UcxBinding) -> None:
+        self._binding = binding
+        self._pending: list[tuple[Any, Any]] = []
+        self.error: str | None = None
+
+    def add(self, request: Any, buffer: Any) -> None:
+        self._pending.append((request, buffer))
+
+    def poll(self) -> bool:
+        """True once every request has completed; the first failure is kept in `error`."""
+        still_pending = []
+        for request, buffer in self._pending:
+            completed, error = self._binding.request_state(request)
+            if not completed:
+                still_pending.append((request, buffer))
+            elif error is not None and self.error is None:
+                self.error = error
+        self._pending = still_pending
+        return not self._pending
+
+
+class Session:
+    """What both sides share: the control connection, the endpoint, the requests, the end."""
+
+    def __init__(self, binding: UcxBinding, connection: Connection) -> None:
+        self.binding = binding
+        self.connection = connection
+        self.endpoint: Any = None
+        self.requests = UcxRequests(binding)
+        self.is_ended = False
+        self.closing_endpoints: list[Any] = []  # the agent keeps these alive while UCX closes them
+
+    def release(self, notice: ControlMessage | None) -> None:
+        """Cancels UCX work, tells the peer why (if it does not know), closes the connection."""
+        self.is_ended = True
+        if self.endpoint is not None:
+            self.binding.close_endpoint(self.endpoint)
+            self.closing_endpoints.append(self.endpoint)
+            self.endpoint = None
+        if notice is not None:
+            self.connection.send(notice)
+        # The agent closes the socket once it is out of its selector, so the fd is not reused early.
+
+
+class HolderSession(Session):
+    """Serves one PULL on an accepted connection."""
+
+    def __init__(self, binding: UcxBinding, connection: Connection, book: OfferBook, regions: Any) -> None:
+        super().__init__(binding, connection)
+        self._book = book
+        self._regions = regions
+        self.transfer_id: str | None = None
+        self._checksum_value: int | None = None
+        self._has_reported_sent = False
+
+    def on_message(self, message: ControlMessage) -> None:
+        if message.kind is MessageKind.PULL and self.transfer_id is None:
+            self._start(message)
+        elif message.kind is MessageKind.DONE and self._has_reported_sent:
+            self.end(TransferStatus.DONE, None, notify=False)
+        elif message.kind is MessageKind.CANCEL:
+            self.end(_status_named(message.status), message.error or "cancelled by the puller", notify=False)
+        else:
+            self.end(TransferStatus.FAILED, f"unexpected {message.kind.value} message", notify=True)
+
+    def _start(self, message: ControlMessage) -> None:
+        page_ids = [first + offset for first, count in message.runs for offset in range(count)]
+        try:
+            entry = self._book.claim(
+                message.transfer_id, message.secret, message.region, page_ids, message.timeout_s
+            )
+        except TransferError as error:
+            self.release(ControlMessage(MessageKind.ERROR, message.transfer_id, error=str(error)))
+            return
+        self.transfer_id = message.transfer_id
+        self._serve(entry, message)
+
+    def _serve(self, entry: OfferEntry, message: ControlMessage) -> None:
+        region = self._regions.get(entry.region_name)
+        runs = [PageRun(first, 0, count) for first, count in message.runs]
+        if message.checksum and region.device == "cpu":
+            self._checksum_value = checksum_runs(region, runs, use_src=True)
+        try:
+            self.endpoint = self.binding.connect(bytes.fromhex(message.worker_address))
+        except Exception as error:  # a bad or unreachable address from the peer
+            self.end(TransferStatus.FAILED, f"cannot reach the puller's UCX worker: {error}", notify=True)
+            return
+        self.connection.send(
+            ControlMessage(
+                MessageKind.ACCEPT, entry.transfer_id, worker_address=self.binding.worker_address.hex()
+            )
+        )
+        for index, run in enumerate(runs):
+            buffer = page_buffer(region, run.src_first, run.num_pages)
+            self.requests.add(self.binding.send(self.endpoint, buffer, message.tag_base + index), buffer)
+
+    def poll(self, now: float) -> None:
+        if self.is_ended or self.transfer_id is None or self._has_reported_sent:
+            return
+        if self.requests.poll():
+            if self.requests.error is not None:
+                self.end(TransferStatus.FAILED, f"send failed: {self.requests.error}", notify=True)
+                return
+            self._has_reported_sent = True
+            self.connection.send(
+                ControlMessage(MessageKind.SENT, self.transfer_id, checksum_value=self._checksum_value)
+            )
+
+    def on_end_of_stream(self) -> None:
+        if self.transfer_id is None:
+            self.release(None)
+        else:
+            self.end(
+                TransferStatus.FAILED,
+                "the puller closed the control connection (process gone?)",
+                notify=False,
+            )
+
+    def end(self, status: TransferStatus, error: str | None, notify: bool) -> None:
+        if self.is_ended:
+            return
+        notice = None
+        if notify and self.transfer_id is not None:
+            notice = ControlMessage(
+                MessageKind.CANCEL, self.transfer_id, status=status.name, error=error or ""
+            )
+        self.release(notice)
+        if self.transfer_id is not None:
+            self._book.end(self.transfer_id, status)
+
+
+class PullSession(Session):
+    """Runs one pull from this side: PULL sent, receives posted on ACCEPT, DONE once all landed."""
+
+    def __init__(
+        self,
+        binding: UcxBinding,
+        connection: Connection,
+        handle: PullHandle,
+        destination: MemoryRegion,
+        runs: list[PageRun],
+        checksum: bool,
+        deadline: float,
+    ) -> None:
+        super().__init__(binding, connection)
+        self.handle = handle
+        self._destination = destination
+        self._runs = runs
+        self._checksum = checksum
+        self.deadline = deadline
+        self._tag_base = 0
+        self._sent_notice: ControlMessage | None = None
+
+    def start(self, message: ControlMessage) -> None:
+        self._tag_base = message.tag_base
+        if not self.connection.send(message):
+            self.end(TransferStatus.FAILED, "could not send the pull request to the holder", notify=False)
+
+    def on_message(self, message: ControlMessage) -> None:
+        if message.kind is MessageKind.ACCEPT and self.endpoint is None:
+            self._receive(message)
+        elif message.kind is MessageKind.SENT:
+            self._sent_notice = message
+        elif message.kind is MessageKind.ERROR:
+            self.end(TransferStatus.FAILED, f"refused by the holder: {message.error}", notify=False)
+        elif message.kind is MessageKind.CANCEL:
+            self.end(_status_named(message.status), message.error or "cancelled by the holder", notify=False)
+        else:
+            self.end(TransferStatus.FAILED, f"unexpected {message.kind.value} message", notify=True)
+
+    def _receive(self, message: ControlMessage) -> None:
+        try:
+            self.endpoint = self.binding.connect(bytes.fromhex(message.worker_address))
+        except Exception as error:  # a bad or unreachable address from the peer
+            self.end(TransferStatus.FAILED, f"cannot reach the holder's UCX worker: {error}", notify=True)
+            return
+        self.handle._mark_transferring()
+        for index, run in enumerate(self._runs):
+            buffer = page_buffer(self._destination, run.dst_first, run.num_pages)
+            self.requests.add(self.binding.receive(self.endpoint, buffer, self._tag_base + index), buffer)
+
+    def poll(self, now: float) -> None:
+        if self.is_ended:
+            return
+        if now >= self.deadline:
+            self.end(TransferStatus.TIMED_OUT, "pull ran past its timeout", notify=True)
+            return
+        if self.endpoint is None or not self.requests.poll():
+            return
+        if self.requests.error is not None:
+            self.end(TransferStatus.FAILED, f"receive failed: {self.requests.error}", notify=True)
+        elif self._sent_notice is not None:
+            self._complete(self._sent_notice)
+
+    def _complete(self, sent: ControlMessage) -> None:
+        if self._checksum and sent.checksum_value is not None:
+            if checksum_runs(self._destination, self._runs, use_src=False) != sent.checksum_value:
+                self.end(TransferStatus.FAILED, "checksum mismatch", notify=True)
+                return
+        self.handle.bytes_moved = sum(run.num_pages for run in self._runs) * self._destination.page_bytes
+        self.handle.num_messages = len(self._runs)
+        self.connection.send(ControlMessage(MessageKind.DONE, self.handle.transfer_id))
+        self.release(None)
+        self.handle._finish(TransferStatus.DONE)
+
+    def on_end_of_stream(self) -> None:
+        self.end(
+            TransferStatus.FAILED, "the holder closed the control connection (process gone?)", notify=False
+        )
+
+    def end(self, status: TransferStatus, error: str | None, notify: bool) -> None:
+        if self.is_ended:
+            return
+        notice = None
+        if notify:
+            notice = ControlMessage(
+                MessageKind.CANCEL, self.handle.transfer_id, status=status.name, error=error or ""
+            )
+        self.release(notice)
+        self.handle._finish(status, error)
+
+
+def _status_named(name: str) -> TransferStatus:
+    try:
+        status = TransferStatus[name]
+    except KeyError:
+        return TransferStatus.FAILED
+    return status if status.is_final and status is not TransferStatus.DONE else TransferStatus.FAILED
