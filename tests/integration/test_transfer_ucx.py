@@ -1,0 +1,208 @@
+"""UcxTransferAgent between two real processes over loopback: this test process pulls from a helper.
+
+Every test ends by checking that both sides hold nothing: no transfer in flight, no offer, no bytes
+reserved. Helpers bind port 0 (the kernel picks a free port) and are killed by pid in `finally`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tests.transfer_helpers import PeerProcess, seeded_pool
+from transfer import MemoryRegion, PullHandle, TransferStatus, UcxTransferAgent
+
+pytestmark = pytest.mark.timeout(30)
+
+SEED = 7
+
+
+class LocalSide:
+    def __init__(self, num_pages: int, page_bytes: int) -> None:
+        self.agent = UcxTransferAgent()
+        self.pool = np.zeros((num_pages, page_bytes), dtype=np.uint8)
+        self.agent.register("kv", MemoryRegion(self.pool.ctypes.data, page_bytes, num_pages))
+
+    def pull(
+        self,
+        peer: PeerProcess,
+        src_page_ids: list[int],
+        dst_page_ids: list[int],
+        timeout_s: float = 10.0,
+        **offer_arguments: object,
+    ) -> tuple[dict, PullHandle]:
+        offer = peer.call("offer", page_ids=src_page_ids, **offer_arguments)
+        handle = self.agent.pull(
+            offer["address"],
+            offer["transfer_id"],
+            offer["secret"],
+            "kv",
+            src_page_ids,
+            "kv",
+            dst_page_ids,
+            timeout_s,
+            checksum=True,
+        )
+        return offer, handle
+
+
+def assert_idle(local: LocalSide, peer: PeerProcess | None) -> None:
+    deadline = time.monotonic() + 5.0
+    while True:
+        local_stats = local.agent.stats()
+        peer_stats = (
+            peer.call("stats")
+            if peer is not None
+            else {"num_in_flight": 0, "num_offers": 0, "reserved_bytes": 0}
+        )
+        local_tuple = (local_stats.num_in_flight, local_stats.num_offers, local_stats.reserved_bytes)
+        peer_tuple = (peer_stats["num_in_flight"], peer_stats["num_offers"], peer_stats["reserved_bytes"])
+        if local_tuple == peer_tuple == (0, 0, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert local_tuple == (0, 0, 0) and peer_tuple == (0, 0, 0), (local_tuple, peer_tuple)
+
+
+def two_sides(num_pages: int, page_bytes: int) -> Iterator[tuple[LocalSide, PeerProcess]]:
+    peer = None
+    local = None
+    try:
+        peer = PeerProcess(num_pages, page_bytes, SEED)
+        local = LocalSide(num_pages, page_bytes)
+        yield local, peer
+    finally:
+        if local is not None:
+            local.agent.close()
+        if peer is not None:
+            peer.kill()
+
+
+@pytest.fixture
+def small() -> Iterator[tuple[LocalSide, PeerProcess]]:
+    yield from two_sides(num_pages=128, page_bytes=16 << 10)
+
+
+@pytest.fixture
+def large() -> Iterator[tuple[LocalSide, PeerProcess]]:
+    yield from two_sides(num_pages=128, page_bytes=1 << 20)
+
+
+def test_bytes_arrive_exactly(small: tuple[LocalSide, PeerProcess]) -> None:
+    local, peer = small
+    expected = seeded_pool(SEED, 128, 16 << 10)
+    src, dst = [5, 6, 7, 40, 41, 90], [0, 1, 2, 3, 4, 100]  # runs: 5-7 to 0-2, 40-41 to 3-4, 90 to 100
+    _, handle = local.pull(peer, src, dst)
+    assert handle.wait(10.0) is TransferStatus.DONE, handle.error
+    assert np.array_equal(local.pool[dst], expected[src])
+    assert not local.pool[[page for page in range(128) if page not in dst]].any()
+    assert handle.num_messages == 3 and handle.bytes_moved == 6 * (16 << 10)
+    assert [status for _, status in peer.call("events")["events"]] == ["DONE"]
+    assert_idle(local, peer)
+
+
+def test_64_concurrent_pulls_all_correct(small: tuple[LocalSide, PeerProcess]) -> None:
+    local, peer = small
+    expected = seeded_pool(SEED, 128, 16 << 10)
+    pulls = [local.pull(peer, [2 * index, 2 * index + 1], [127 - index, 63 - index]) for index in range(64)]
+    for _, handle in pulls:
+        assert handle.wait(20.0) is TransferStatus.DONE, handle.error
+    for index in range(64):
+        assert np.array_equal(local.pool[[127 - index, 63 - index]], expected[[2 * index, 2 * index + 1]])
+    assert_idle(local, peer)
+
+
+@pytest.mark.parametrize("fault", ["out_of_range", "not_offered", "wrong_secret", "reused_secret"])
+def test_refused_pulls_write_nothing(small: tuple[LocalSide, PeerProcess], fault: str) -> None:
+    local, peer = small
+    offer = peer.call("offer", page_ids=[1, 2])
+    secret, src = offer["secret"], [1, 2]
+    if fault == "out_of_range":
+        src = [1, 128]
+    elif fault == "not_offered":
+        src = [1, 3]
+    elif fault == "wrong_secret":
+        secret = "f" * len(secret)
+    elif fault == "reused_secret":
+        first = local.agent.pull(
+            offer["address"], offer["transfer_id"], secret, "kv", src, "kv", [10, 11], 10.0
+        )
+        assert first.wait(10.0) is TransferStatus.DONE
+        local.pool[:] = 0
+    handle = local.agent.pull(offer["address"], offer["transfer_id"], secret, "kv", src, "kv", [0, 1], 10.0)
+    assert handle.wait(10.0) is TransferStatus.FAILED
+    reason = {
+        "out_of_range": "outside region",
+        "not_offered": "not part of",
+        "wrong_secret": "wrong secret",
+        "reused_secret": "already used",
+    }[fault]
+    assert reason in (handle.error or ""), handle.error
+    assert not local.pool.any()
+    if fault != "reused_secret":
+        peer.call("revoke", transfer_id=offer["transfer_id"])  # the offer survived the refusal
+    assert_idle(local, peer)
+
+
+def test_sender_that_never_sends_times_out_within_bound(small: tuple[LocalSide, PeerProcess]) -> None:
+    local, peer = small
+    offer = peer.call("offer", page_ids=[0, 1])
+    peer.signal(signal.SIGSTOP)
+    start = time.monotonic()
+    handle = local.agent.pull(
+        offer["address"], offer["transfer_id"], offer["secret"], "kv", [0, 1], "kv", [0, 1], 1.0
+    )
+    assert handle.wait(5.0) is TransferStatus.TIMED_OUT
+    assert time.monotonic() - start < 2.0
+    assert not local.pool.any()
+    peer.signal(signal.SIGCONT)
+    assert_idle(local, peer)
+    assert [status for _, status in peer.call("events")["events"]] == ["TIMED_OUT"]
+
+
+def test_sender_killed_mid_transfer_fails_within_bound(large: tuple[LocalSide, PeerProcess]) -> None:
+    local, peer = large
+    offer = peer.call("offer", page_ids=list(range(128)))
+    peer.call("die_when_serving")
+    start = time.monotonic()
+    handle = local.agent.pull(
+        offer["address"],
+        offer["transfer_id"],
+        offer["secret"],
+        "kv",
+        list(range(128)),
+        "kv",
+        list(range(127, -1, -1)),
+        10.0,
+    )
+    assert handle.wait(5.0) is TransferStatus.FAILED, handle
+    assert time.monotonic() - start < 5.0 and "holder closed" in (handle.error or "")
+    assert_idle(local, None)
+
+
+@pytest.mark.parametrize("cancelling_side", ["puller", "holder"])
+def test_cancel_from_either_side_frees_both(
+    large: tuple[LocalSide, PeerProcess], cancelling_side: str
+) -> None:
+    local, peer = large
+    pages = list(range(128))
+    if cancelling_side == "puller":
+        offer = peer.call("offer", page_ids=pages)
+        peer.signal(signal.SIGSTOP)  # the holder cannot finish before the cancel
+        handle = local.agent.pull(
+            offer["address"], offer["transfer_id"], offer["secret"], "kv", pages, "kv", pages, 10.0
+        )
+        handle.cancel()
+        peer.signal(signal.SIGCONT)
+    else:
+        offer = peer.call("offer", page_ids=pages)
+        peer.call("revoke_when_serving")
+        handle = local.agent.pull(
+            offer["address"], offer["transfer_id"], offer["secret"], "kv", pages, "kv", pages[::-1], 10.0
+        )
+    assert handle.wait(5.0) is TransferStatus.CANCELLED, handle
+    assert_idle(local, peer)
+    assert [status for _, status in peer.call("events")["events"]] == ["CANCELLED"]

@@ -1,0 +1,148 @@
+"""A transfer agent in its own process, driven by JSON lines on stdin, for the two-process UCX tests.
+
+    python -m tests.transfer_helpers --num-pages 64 --page-bytes 4096 --seed 1
+
+It fills a pool with `seeded_pool(seed, ...)` (so the test knows every byte without reading it back),
+registers it as "kv", prints {"address": ...} and then answers one JSON line per command. Commands:
+offer, revoke, stats, events, close, and two fault injections that act the moment a pull of ours is
+being served: revoke_when_serving and die_when_serving (SIGKILL, mid-transfer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from transfer import MemoryRegion, TransferAgent, TransferStatus, UcxTransferAgent
+
+
+def seeded_pool(seed: int, num_pages: int, page_bytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (num_pages, page_bytes), dtype=np.uint8)
+
+
+class PeerProcess:
+    """The test side of a helper process: start it, call it, and kill it by pid whatever happens."""
+
+    def __init__(self, num_pages: int, page_bytes: int, seed: int) -> None:
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.transfer_helpers",
+                "--num-pages",
+                str(num_pages),
+                "--page-bytes",
+                str(page_bytes),
+                "--seed",
+                str(seed),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+        )
+        self.address: str = self._read_line(20.0)["address"]
+
+    def call(self, op: str, timeout_s: float = 10.0, **arguments: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
+        self.process.stdin.flush()
+        return self._read_line(timeout_s)
+
+    def _read_line(self, timeout_s: float) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        if not ready:
+            raise TimeoutError(
+                f"transfer helper (pid {self.process.pid}) did not answer within {timeout_s} s"
+            )
+        line = self.process.stdout.readline()
+        if not line:
+            raise EOFError(f"transfer helper (pid {self.process.pid}) exited with {self.process.wait(5)}")
+        return dict(json.loads(line))
+
+    def signal(self, signal_number: int) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal_number)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)  # a stopped process must run to die cleanly
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+def _when_serving(agent: TransferAgent, action: Any) -> None:
+    """Runs `action` as soon as a pull is being served (polls: this is a test fault, not a hot path)."""
+    deadline = time.monotonic() + 20.0
+    while agent.stats().num_in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    action()
+
+
+def _serve(arguments: argparse.Namespace) -> None:
+    pool = seeded_pool(arguments.seed, arguments.num_pages, arguments.page_bytes)
+    agent = UcxTransferAgent()
+    agent.register("kv", MemoryRegion(pool.ctypes.data, arguments.page_bytes, arguments.num_pages))
+    events: list[tuple[str, str]] = []
+    offers: list[str] = []
+
+    def answer(payload: dict[str, Any]) -> None:
+        print(json.dumps(payload), flush=True)
+
+    def on_done(transfer_id: str, status: TransferStatus) -> None:
+        events.append((transfer_id, status.name))
+
+    answer({"address": agent.address})
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        if op == "offer":
+            offer = agent.offer("kv", command["page_ids"], command.get("ttl_s", 10.0), on_done)
+            offers.append(offer.transfer_id)
+            answer({"transfer_id": offer.transfer_id, "secret": offer.secret, "address": offer.address})
+        elif op == "revoke":
+            agent.revoke(command["transfer_id"])
+            answer({"ok": True})
+        elif op == "revoke_when_serving":
+            threading.Thread(
+                target=_when_serving, args=(agent, lambda: agent.revoke(offers[-1])), daemon=True
+            ).start()
+            answer({"ok": True})
+        elif op == "die_when_serving":
+            kill_self = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+            threading.Thread(target=_when_serving, args=(agent, kill_self), daemon=True).start()
+            answer({"ok": True})
+        elif op == "stats":
+            stats = agent.stats()
+            answer(
+                {
+                    "num_in_flight": stats.num_in_flight,
+                    "num_offers": stats.num_offers,
+                    "reserved_bytes": stats.reserved_bytes,
+                }
+            )
+        elif op == "events":
+            answer({"events": events})
+        elif op == "close":
+            agent.close()
+            answer({"ok": True})
+            return
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-pages", type=int, required=True)
+    parser.add_argument("--page-bytes", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    _serve(parser.parse_args())
