@@ -5,7 +5,6 @@ the worker's self-description, and its transfer agent with the KV pool registere
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from beamsplit.metrics import ServerMetrics
 from beamsplit.request_validation import ModelLimits
 from beamsplit.v1 import common_pb2
 from engine.config import CacheConfig, EngineConfig
+from transfer import MemoryRegion, TransferAgent, UcxTransferAgent
 
 KV_REGION_NAME = "kv"
 
@@ -77,33 +77,17 @@ def worker_info(handle: EngineHandle) -> common_pb2.WorkerInfo:
     return info
 
 
-def start_transfer_agent(handle: EngineHandle, host: str) -> Any:
+def start_transfer_agent(handle: EngineHandle, host: str) -> TransferAgent:
     """A UCX agent with the engine's whole KV pool registered as `KV_REGION_NAME`."""
     region = handle.engine.kv_region()
-    if os.environ.get("BEAMSPLIT_DEV_TRANSFER") == "socket":  # TEMPORARY until transfer/ lands
-        import enum
-
-        from beamsplit.dev_socket_transfer import DevSocketTransferAgent
-
-        TransferStatus = enum.Enum("TransferStatus", "PENDING TRANSFERRING DONE FAILED CANCELLED TIMED_OUT")
-
-        @dataclass(frozen=True)
-        class Offer:
-            transfer_id: str
-            secret: str
-            address: str
-            expires_at: float
-
-        agent: Any = DevSocketTransferAgent(host, TransferStatus, Offer)
-        agent.register(KV_REGION_NAME, region)
-        return agent
-    from transfer import MemoryRegion, UcxTransferAgent
-
-    agent = UcxTransferAgent(host=host)
+    agent = UcxTransferAgent(host=host)  # the UCX control listener binds the server's address
     agent.register(
         KV_REGION_NAME,
         MemoryRegion(
-            address=region.address, page_bytes=region.page_bytes, num_pages=region.num_pages, device=region.device
+            address=region.address,
+            page_bytes=region.page_bytes,
+            num_pages=region.num_pages,
+            device=region.device,
         ),
     )
     return agent

@@ -16,13 +16,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from beamsplit.engine_loop import EngineLoop, EngineLoopError
 from beamsplit.metrics import ServerMetrics
-
-if TYPE_CHECKING:
-    from transfer import TransferAgent, TransferStatus
+from transfer import TransferAgent, TransferStatus
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +165,7 @@ class ContextService:
         hold = self._pop_hold(transfer_id)
         if hold is None:  # ended through release(), which already returned the pages
             return
-        if status.name == "DONE":
+        if status is TransferStatus.DONE:
             self._metrics.transferred_blocks.inc(hold.num_pages)
         logger.info("offer %s ended: %s", transfer_id, status.name)
         self._release_pages(hold.engine_request_id)

@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -30,14 +29,10 @@ from beamsplit.wire import ServiceError
 from engine.config import SamplingParams
 from engine.types import PromptReservation, RequestOutput
 from generation_worker.context_client import ContextClient
-
-if TYPE_CHECKING:
-    from transfer import TransferAgent
+from transfer import TransferAgent, TransferStatus
 
 logger = logging.getLogger(__name__)
 
-# Compared by name so this module needs transfer/ only for its types.
-TERMINAL_STATUS_NAMES = ("DONE", "FAILED", "CANCELLED", "TIMED_OUT")
 POLL_INTERVAL_S = 0.1
 
 
@@ -212,7 +207,7 @@ class GenerationService:
         next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
         while True:
             status = handle.wait(POLL_INTERVAL_S)
-            if status.name in TERMINAL_STATUS_NAMES:
+            if status.is_final:
                 break
             reason = stop_reason()
             if reason is None and time.monotonic() > deadline:
@@ -228,7 +223,7 @@ class GenerationService:
             if reason is not None:
                 handle.cancel()
                 raise reason
-        if status.name != "DONE":
+        if status is not TransferStatus.DONE:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"pull of {len(dst_page_ids)} pages from context worker {handoff.ucx_address} failed: "
