@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,24 @@ def test_streaming_deltas_match_final_beams(
         assert history[-1] == [result.beams[0].token_ids[:-1]]
     # Both servers stream the same live beams (their deltas may group steps differently).
     assert history[-1] == reference.streamed_beams()[-1]
+
+
+def test_concurrent_requests_keep_parity(clients: tuple[BeamsplitClient, BeamsplitClient]) -> None:
+    # Requests share the generation worker's batch; each must still equal its solo aggregated run.
+    coordinator, aggregated = clients
+    cases = [
+        (prompt_tokens((64, 67)[index % 2], seed=800 + index), (1, 2, 4)[index % 3]) for index in range(6)
+    ]
+    requests = [
+        build_request(
+            token_ids=token_ids, sampling=common_pb2.SamplingOptions(beam_width=width, max_new_tokens=6)
+        )
+        for token_ids, width in cases
+    ]
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        results = list(pool.map(lambda request: coordinator.generate(request, timeout_s=120.0), requests))
+    for request, result, (_, width) in zip(requests, results, cases, strict=True):
+        assert_parity(result, aggregated.generate(request, timeout_s=120.0), width)
 
 
 STATS_KEYS = (
