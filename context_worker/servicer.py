@@ -56,6 +56,10 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
             context.abort(code, f"context worker: prefill failed: {type(error).__name__}: {error}")
         finally:
             self._gate.exit()
+        if not context.is_active():
+            # The caller gave up (deadline, cancel) while we prefilled: nobody will pull or release.
+            self._service.release(held.transfer_id, "caller gone before the handoff")
+            context.abort(grpc.StatusCode.CANCELLED, "context worker: caller gone before the handoff")
         handoff = worker_pb2.Handoff(
             request_id=held.request_id,
             attempt=held.attempt,

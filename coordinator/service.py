@@ -181,6 +181,9 @@ class CoordinatorService:
                 f"generation worker {generation_worker.address} ended without a result",
             )
         finally:
+            if attempt_state.generation_call is not None:
+                attempt_state.generation_call.cancel()  # no-op once it ended; stops it otherwise
+                attempt_state.generation_call = None
             if handoff is not None:
                 self._release(context_worker, handoff.transfer_id)
             self._context_pool.finish(context_worker)

@@ -1,0 +1,127 @@
+"""EngineLoop: one thread owns the engine; callers wait with bounds; outputs reach their stream;
+a failing step ends every stream at once. Uses a scripted engine (no model) so it runs in ms."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from beamsplit.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
+from engine.types import RequestOutput
+
+
+class ScriptedEngine:
+    """Emits `num_steps` outputs per request, one per step; records which thread called it."""
+
+    def __init__(self, num_steps: int = 3) -> None:
+        self.num_steps = num_steps
+        self.remaining: dict[str, int] = {}
+        self.threads: set[str] = set()
+        self.fail_next_step = False
+        self.drop: set[str] = set()
+
+    def add(self, request_id: str) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.remaining[request_id] = self.num_steps
+
+    def has_unfinished(self) -> bool:
+        return bool(self.remaining)
+
+    def step(self) -> list[RequestOutput]:
+        self.threads.add(threading.current_thread().name)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("step failed")
+        outputs = []
+        for request_id in list(self.remaining):
+            self.remaining[request_id] -= 1
+            finished = self.remaining[request_id] == 0
+            error = "dropped" if request_id in self.drop else None
+            if finished or error:
+                del self.remaining[request_id]
+            outputs.append(RequestOutput(request_id, [[7]], finished or error is not None, error=error))
+        return outputs
+
+    def num_blocks_in_use(self) -> int:
+        return len(self.remaining)
+
+
+@pytest.fixture
+def engine_and_loop() -> Iterator[tuple[ScriptedEngine, EngineLoop]]:
+    engine = ScriptedEngine()
+    reports: list[int] = []
+    loop = EngineLoop(
+        engine, on_iteration=lambda owned: reports.append(owned.num_blocks_in_use()), name="engine"
+    )
+    loop.start()
+    yield engine, loop
+    loop.stop()
+
+
+def never() -> None:
+    return None
+
+
+def test_outputs_reach_their_stream_from_the_engine_thread(
+    engine_and_loop: tuple[ScriptedEngine, EngineLoop],
+) -> None:
+    engine, loop = engine_and_loop
+    streams = {request_id: loop.open_stream(request_id) for request_id in ("a", "b")}
+    for request_id in streams:
+        loop.call(lambda owned, request_id=request_id: owned.add(request_id))
+    for stream in streams.values():
+        outputs = list(follow_stream(stream, never, silence_timeout_s=5.0))
+        assert [output.finished for output in outputs] == [False, False, True]
+    assert engine.threads == {"engine"}
+
+
+def test_call_returns_results_and_raises_errors(engine_and_loop: tuple[ScriptedEngine, EngineLoop]) -> None:
+    _, loop = engine_and_loop
+    assert loop.call(lambda owned: owned.num_steps + 1) == 4
+    with pytest.raises(KeyError):
+        loop.call(lambda owned: owned.remaining["missing"])
+
+
+def test_call_is_bounded(engine_and_loop: tuple[ScriptedEngine, EngineLoop]) -> None:
+    _, loop = engine_and_loop
+    started = time.monotonic()
+    with pytest.raises(EngineLoopError):
+        loop.call(lambda owned: time.sleep(0.5), timeout_s=0.1)
+    assert time.monotonic() - started < 0.4
+
+
+def test_failed_step_ends_every_stream(engine_and_loop: tuple[ScriptedEngine, EngineLoop]) -> None:
+    engine, loop = engine_and_loop
+    stream = loop.open_stream("a")
+    loop.call(lambda owned: (owned.add("a"), setattr(owned, "fail_next_step", True)))
+    with pytest.raises(EngineLoopError):
+        list(follow_stream(stream, never, silence_timeout_s=5.0))
+
+
+def test_dropped_request_and_stop_reason(engine_and_loop: tuple[ScriptedEngine, EngineLoop]) -> None:
+    engine, loop = engine_and_loop
+    stream = loop.open_stream("dropped")
+    loop.call(lambda owned: (owned.drop.add("dropped"), owned.add("dropped")))
+    with pytest.raises(RequestDroppedError):
+        list(follow_stream(stream, never, silence_timeout_s=5.0))
+    quiet = loop.open_stream("quiet")
+    with pytest.raises(TimeoutError):
+        list(follow_stream(quiet, lambda: TimeoutError("client gone"), silence_timeout_s=5.0))
+    with pytest.raises(EngineLoopError):
+        list(follow_stream(quiet, never, silence_timeout_s=0.2))
+
+
+def test_stopped_loop_refuses_work_and_ends_streams() -> None:
+    loop = EngineLoop(ScriptedEngine())
+    loop.start()
+    stream = loop.open_stream("a")
+    loop.stop()
+    assert stream.get(timeout_s=1.0) is None
+    with pytest.raises(EngineLoopError):
+        loop.call(lambda owned: None, timeout_s=1.0)
+    with pytest.raises(queue.Empty):
+        stream.get(timeout_s=0.01)
