@@ -34,8 +34,6 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE,)
-
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
@@ -192,12 +190,22 @@ class CoordinatorService:
     def _upstream_error(
         self, pool: WorkerPool, worker: WorkerHandle, error: grpc.RpcError, is_last: bool, streamed: bool
     ) -> Exception:
+        """What a worker's failure becomes: a retry (nothing streamed yet) or the client's status.
+
+        UNAVAILABLE means the worker itself is gone or going: it leaves routing until a probe
+        finds it serving. ABORTED means the handoff failed (the pull, or the context worker's hold)
+        while the worker is fine: a new attempt prefills again, on whichever workers are best.
+        """
         code = error.code()
         details = error.details() or code.name
         if code == grpc.StatusCode.UNAVAILABLE:
             pool.mark_unhealthy(worker, details)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):
             if not is_last and not streamed:
                 return _RetryableError(f"{pool.kind} worker {worker.address}: {details}")
+            return ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"{pool.kind} worker {worker.address} failed: {details}"
+            )
         if code in (
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -205,10 +213,7 @@ class CoordinatorService:
             grpc.StatusCode.CANCELLED,
         ):
             return ServiceError(code, f"{pool.kind} worker {worker.address}: {details}")
-        return ServiceError(
-            grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else code,
-            f"{pool.kind} worker {worker.address} failed: {details}",
-        )
+        return ServiceError(code, f"{pool.kind} worker {worker.address} failed: {details}")
 
     def _release(self, worker: WorkerHandle, transfer_id: str) -> None:
         try:

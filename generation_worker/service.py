@@ -211,21 +211,23 @@ class GenerationService:
                 break
             reason = stop_reason()
             if reason is None and time.monotonic() > deadline:
-                reason = ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "generation worker: pull timed out")
+                reason = ServiceError(grpc.StatusCode.ABORTED, "generation worker: pull timed out")
             if reason is None and time.monotonic() > next_heartbeat:
                 next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
                 if not self._context_client.heartbeat(
                     handoff.context_address, handoff.transfer_id, self._timeouts.lease_extend_s
                 ):
                     reason = ServiceError(
-                        grpc.StatusCode.UNAVAILABLE, "context worker dropped the prompt's pages"
+                        grpc.StatusCode.ABORTED, "context worker dropped the prompt's pages"
                     )
             if reason is not None:
                 handle.cancel()
                 raise reason
         if status is not TransferStatus.DONE:
+            # ABORTED, not UNAVAILABLE: this worker is fine, the handoff is not; the coordinator
+            # retries with a new prefill rather than routing around us.
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.ABORTED,
                 f"pull of {len(dst_page_ids)} pages from context worker {handoff.ucx_address} failed: "
                 f"{status.name}: {handle.error}",
             )

@@ -31,6 +31,7 @@ class Deployment:
     context: ServerProcess
     generations: list[ServerProcess]
     coordinator: ServerProcess
+    short_lease_coordinator: ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 ",".join(server.address for server in generations),
             ],
         )
-        for server in (context, *generations, coordinator):
+        # Same workers, but it asks for leases that lapse before any pull can arrive.
+        short_lease = group.start(
+            "coordinator-short-lease",
+            "coordinator",
+            ["--context", context.address, "--generation", generations[0].address, "--lease-s", "0.001"],
+        )
+        for server in (context, *generations, coordinator, short_lease):
             group.wait_healthy(server, 180.0)
-        yield Deployment(group, context, generations, coordinator)
+        yield Deployment(group, context, generations, coordinator, short_lease)
     finally:
         codes = group.stop_all()
-    assert codes["coordinator"] == 0, codes  # the workers were stopped or killed by the tests
+    # The workers were stopped or killed by the tests; the coordinators must exit cleanly.
+    assert codes["coordinator"] == 0 and codes["coordinator-short-lease"] == 0, codes
 
 
 def blocks(server: ServerProcess) -> float:
@@ -146,6 +154,31 @@ def test_held_prompt_is_released_by_release_heartbeat_or_lease(deployment: Deplo
         wait_for_zero_blocks([deployment.context], timeout_s=6.0)  # no more heartbeats: the lease lapses
         beat = stub.Heartbeat(worker_pb2.HeartbeatRequest(transfer_id=handoff.transfer_id), timeout=5.0)
         assert not beat.alive
+
+
+def test_lapsed_lease_fails_the_handoff_not_the_worker(deployment: Deployment) -> None:
+    with (
+        BeamsplitClient(deployment.short_lease_coordinator.address) as client,
+        pytest.raises(grpc.RpcError) as raised,
+    ):
+        client.generate(build_request(token_ids=PROMPT, sampling=SHORT), timeout_s=30.0)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "pull of" in raised.value.details() and "TIMED_OUT" in raised.value.details(), (
+        raised.value.details()
+    )
+    wait_for_zero_blocks(live(deployment))
+    # The handoff failed, not the worker: it still serves through the normal coordinator.
+    with BeamsplitClient(deployment.coordinator.address) as client:
+        for _ in range(2):
+            result = client.generate(build_request(token_ids=PROMPT, sampling=SHORT), timeout_s=30.0)
+            assert result.beams
+    with (
+        BeamsplitClient(deployment.short_lease_coordinator.address) as client,
+        pytest.raises(grpc.RpcError) as raised,
+    ):
+        client.generate(build_request(token_ids=PROMPT, sampling=SHORT), timeout_s=30.0)
+    assert "no healthy" not in raised.value.details()
+    wait_for_zero_blocks(live(deployment))
 
 
 def test_killed_generation_worker_fails_the_request_clearly(deployment: Deployment) -> None:
