@@ -230,8 +230,15 @@ def test_sigterm_fails_in_flight_request_and_exits_cleanly(deployment: Deploymen
     wait_for_zero_blocks([deployment.context])
 
 
-def test_killed_context_worker_fails_requests_clearly(deployment: Deployment) -> None:
-    deployment.group.kill(deployment.context)
+def test_stopped_context_worker_releases_its_holds_and_is_routed_around(deployment: Deployment) -> None:
+    with grpc.insecure_channel(deployment.context.address) as channel:
+        request = worker_pb2.PrefillRequest(
+            request_id="held", prompt_token_ids=PROMPT, num_candidates=4, lease_s=60
+        )
+        worker_pb2_grpc.ContextWorkerStub(channel).Prefill(request, timeout=30.0)
+    assert blocks(deployment.context) == 3
+    assert deployment.group.stop(deployment.context, timeout_s=20.0) == 0
+    assert "blocks in use at exit: 0" in deployment.context.log_path.read_text()
     with BeamsplitClient(deployment.coordinator.address) as client:
         for settle_s in (0.0, 1.5):  # before and after a health probe has noticed
             time.sleep(settle_s)
