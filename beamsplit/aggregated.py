@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import grpc
 
@@ -42,7 +42,7 @@ class AggregatedService:
         request: coordinator_pb2.GenerateRequest,
         time_remaining: Callable[[], float | None],
         on_client_gone: Callable[[Callable[[], None]], None],
-    ) -> Iterator[common_pb2.GenerateResponse]:
+    ) -> Generator[common_pb2.GenerateResponse, None, None]:
         arrived = time.perf_counter()
         try:
             validated = validate_generate_request(request, self._limits, self._tokenizer)

@@ -7,7 +7,9 @@ server answers INVALID_ARGUMENT with the message as is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from beamsplit.v1 import common_pb2, coordinator_pb2
@@ -15,14 +17,16 @@ from engine.config import SamplingParams
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
-EARLY_STOPPING_FROM_PROTO: dict[int, bool | str] = {
-    common_pb2.EARLY_STOPPING_FALSE: False,
-    common_pb2.EARLY_STOPPING_TRUE: True,
-    common_pb2.EARLY_STOPPING_NEVER: "never",
-}
-EARLY_STOPPING_TO_PROTO: dict[bool | str, Any] = {
-    value: key for key, value in EARLY_STOPPING_FROM_PROTO.items()
-}
+EARLY_STOPPING_FROM_PROTO: Mapping[int, bool | str] = MappingProxyType(
+    {
+        common_pb2.EARLY_STOPPING_FALSE: False,
+        common_pb2.EARLY_STOPPING_TRUE: True,
+        common_pb2.EARLY_STOPPING_NEVER: "never",
+    }
+)
+EARLY_STOPPING_TO_PROTO: Mapping[bool | str, Any] = MappingProxyType(
+    {value: key for key, value in EARLY_STOPPING_FROM_PROTO.items()}
+)
 
 
 class RequestValidationError(ValueError):

@@ -7,37 +7,42 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from beamsplit import server_args
 
 # role: (module with run(args), default port, its own flags, help)
-ROLES: dict[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | None, str]] = {
-    "aggregated": (
-        "beamsplit.aggregated_server",
-        50050,
-        None,
-        "the client API on one engine (the reference)",
-    ),
-    "context": (
-        "context_worker.server",
-        50051,
-        server_args.add_context_arguments,
-        "prefill prompts and hold their pages for pulls",
-    ),
-    "generation": (
-        "generation_worker.server",
-        50052,
-        server_args.add_generation_arguments,
-        "pull prompt pages, expand to W beams, decode",
-    ),
-    "coordinator": (
-        "coordinator.server",
-        50050,
-        server_args.add_coordinator_arguments,
-        "the client-facing front door over the workers",
-    ),
-}
+ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | None, str]] = (
+    MappingProxyType(
+        {
+            "aggregated": (
+                "beamsplit.aggregated_server",
+                50050,
+                None,
+                "the client API on one engine (the reference)",
+            ),
+            "context": (
+                "context_worker.server",
+                50051,
+                server_args.add_context_arguments,
+                "prefill prompts and hold their pages for pulls",
+            ),
+            "generation": (
+                "generation_worker.server",
+                50052,
+                server_args.add_generation_arguments,
+                "pull prompt pages, expand to W beams, decode",
+            ),
+            "coordinator": (
+                "coordinator.server",
+                50050,
+                server_args.add_coordinator_arguments,
+                "the client-facing front door over the workers",
+            ),
+        }
+    )
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +77,7 @@ class CoordinatorService:
         request: coordinator_pb2.GenerateRequest,
         time_remaining: Callable[[], float | None],
         on_client_gone: Callable[[Callable[[], None]], None],
-    ) -> Iterator[common_pb2.GenerateResponse]:
+    ) -> Generator[common_pb2.GenerateResponse, None, None]:
         arrived = time.perf_counter()
         try:
             validated = validate_generate_request(request, self._limits, self._tokenizer)
