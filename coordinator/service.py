@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,8 @@ class CoordinatorService:
                 return
             except _RetryableError as error:
                 logger.warning("request %s attempt %d failed, retrying: %s", request_id, attempt, error)
+            finally:
+                responses.close()  # a client that left: release and cancel upstream now
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no attempt succeeded")
 
     def _try_once(
@@ -115,7 +117,7 @@ class CoordinatorService:
         time_remaining: Callable[[], float | None],
         attempt_state: _Attempt,
         is_last: bool,
-    ) -> Iterator[common_pb2.GenerateResponse]:
+    ) -> Generator[common_pb2.GenerateResponse, None, None]:
         # Both workers are chosen before any work starts: no prefill for a request nobody can decode.
         context_worker = self._context_pool.pick()
         if context_worker is None:

@@ -76,6 +76,10 @@ class WorkerPool:
             self._expected_info = info
             for worker in self.workers:
                 worker.mismatch = _layout_mismatch(info, worker.info)
+                if worker.info is not None and worker.mismatch is not None:
+                    logger.error(
+                        "%s worker %s is left out of routing: %s", self.kind, worker.address, worker.mismatch
+                    )
 
     def pick(self) -> WorkerHandle | None:
         """The least loaded healthy worker, counted as in flight until `finish`; None if none."""
@@ -137,7 +141,12 @@ class WorkerPool:
             worker.info = info
             worker.reported_requests = reported_requests
             if self._expected_info is not None:
-                worker.mismatch = _layout_mismatch(self._expected_info, info)
+                mismatch = _layout_mismatch(self._expected_info, info)
+                if mismatch is not None and mismatch != worker.mismatch and info is not None:
+                    logger.error(
+                        "%s worker %s is left out of routing: %s", self.kind, worker.address, mismatch
+                    )
+                worker.mismatch = mismatch
             self._changed.notify_all()
 
 
