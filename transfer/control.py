@@ -6,9 +6,10 @@ the socket) is seen at once as end of stream. Frames are a 4-byte big-endian len
     puller                                   holder
     PULL(id, secret, region, runs, tag_base,  ->  checks secret, region, pages; claims the offer
          worker_address, timeout_s, checksum)
-                                             <-  ACCEPT(worker_address)   or ERROR(error)
-    posts one receive per run into its pages     sends one tagged message per run
-                                             <-  SENT(checksum_value)
+                                                 sends one tagged message per run
+                                             <-  ACCEPT(worker_address, checksum_value) or ERROR(error)
+    posts one receive per run into its pages
+    all receives complete (checksum checked):
     DONE                                     ->  offer ends DONE
     CANCEL(status, error) in either direction ends both sides with that status.
 """
@@ -28,7 +29,6 @@ _MAX_FRAME_BYTES = 16 << 20  # a PULL for a 16k-token prompt in 16-token pages i
 class MessageKind(str, enum.Enum):
     PULL = "pull"
     ACCEPT = "accept"
-    SENT = "sent"
     DONE = "done"
     CANCEL = "cancel"
     ERROR = "error"

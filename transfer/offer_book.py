@@ -6,6 +6,7 @@ is at least that pull's own bound, so an accepted pull is never cut by a lapse i
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 
 from transfer.agent import Offer, OnDone, TransferError, TransferStatus
 from transfer.pages import RegionTable, check_page_ids
+
+_logger = logging.getLogger(__name__)
 
 # Ended transfer ids remembered so a replayed secret gets a precise refusal; bounded so a
 # long-running holder does not grow without limit.
@@ -108,7 +111,10 @@ class OfferBook:
             while len(self._ended) > _NUM_REMEMBERED_ENDED:
                 self._ended.popitem(last=False)
         if entry.on_done is not None:
-            entry.on_done(transfer_id, status)
+            try:
+                entry.on_done(transfer_id, status)
+            except Exception:  # the holder's callback must not break the agent that calls it
+                _logger.exception("on_done callback for transfer %s raised", transfer_id)
         return True
 
     def expired_ids(self, now: float) -> list[str]:

@@ -4,12 +4,14 @@ One thread owns everything that moves: the control listener and connections (a s
 worker (it calls progress), the sessions and every deadline. Public methods are thread-safe: they
 validate, then hand the loop a command and wake it; `revoke`, `cancel` and `close` wait (bounded)
 until the loop has done it, so stats are exact when they return. While any session is live the
-loop polls without sleeping (UCX needs progress calls to move data); idle, it sleeps a tick.
+loop polls without sleeping while UCX requests are posted (UCX moves data only inside progress
+calls); otherwise it sleeps in the selector, woken by control messages, commands or a tick.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import selectors
 import socket
@@ -34,6 +36,7 @@ from transfer.pages import RegionTable, check_page_ids, plan_runs
 from transfer.ucx_binding import UcxBinding, load_binding
 from transfer.ucx_sessions import HolderSession, PullSession, Session
 
+_logger = logging.getLogger(__name__)
 _IDLE_TICK_S = 0.005
 _COMMAND_WAIT_S = 5.0
 _CONNECT_TIMEOUT_S = 2.0
@@ -177,13 +180,17 @@ class UcxTransferAgent(TransferAgent):
     def _run(self) -> None:
         while not (self._is_closed and self._commands.empty()):
             with self._lock:
-                is_busy = bool(self._sessions)
-            for key, _ in self._selector.select(0 if is_busy else _IDLE_TICK_S):
-                self._on_readable(key)
-            while not self._commands.empty():
-                self._commands.get()()
-            self._binding.progress()
-            self._poll_sessions(time.monotonic())
+                # UCX moves data only inside progress calls: spin while requests are posted.
+                is_busy = any(s.requests.has_pending and not s.is_ended for s in self._sessions.values())
+            try:
+                for key, _ in self._selector.select(0 if is_busy else _IDLE_TICK_S):
+                    self._on_readable(key)
+                while not self._commands.empty():
+                    self._commands.get()()
+                self._binding.progress()
+                self._poll_sessions(time.monotonic())
+            except Exception:  # a bug must not stop the loop: every other transfer depends on it
+                _logger.exception("transfer agent %s: error in the event loop", self.address)
         self._selector.close()
         self._listener.close()
         self._wake_reader.close()
@@ -216,7 +223,11 @@ class UcxTransferAgent(TransferAgent):
             return
         for message in messages:
             if not session.is_ended:
-                session.on_message(message)
+                try:
+                    session.on_message(message)
+                except Exception as error:  # contain a failure to its own transfer
+                    _logger.exception("transfer agent %s: session failed", self.address)
+                    session.end(TransferStatus.FAILED, f"internal error: {error}", notify=True)
         if has_ended and not session.is_ended:
             session.on_end_of_stream()
 
@@ -232,7 +243,11 @@ class UcxTransferAgent(TransferAgent):
             self._end_offer(transfer_id, TransferStatus.TIMED_OUT, "offer lease lapsed")
         for fileno, session in sessions:
             assert isinstance(session, (HolderSession, PullSession))
-            session.poll(now)
+            try:
+                session.poll(now)
+            except Exception as error:  # contain a failure to its own transfer
+                _logger.exception("transfer agent %s: session failed", self.address)
+                session.end(TransferStatus.FAILED, f"internal error: {error}", notify=True)
             if session.is_ended:
                 self._forget(fileno, session, now)
         self._closing = [

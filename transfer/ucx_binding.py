@@ -21,6 +21,8 @@ import importlib.util
 from abc import ABC, abstractmethod
 from typing import Any
 
+_MAX_PROGRESS_ROUNDS = 256
+
 
 class CudaPages:
     """A device buffer described by `__cuda_array_interface__`, which both bindings accept."""
@@ -98,7 +100,11 @@ class UcxxBinding(UcxBinding):
         return True, None
 
     def progress(self) -> None:
-        self._worker.progress()
+        # Drain what is ready in one go: a large receive completes over many progress rounds
+        # (rendezvous fragments), and each trip through the agent's Python loop costs microseconds.
+        for _ in range(_MAX_PROGRESS_ROUNDS):
+            if not self._worker.progress_once():
+                break
 
     def close_endpoint(self, endpoint: Any) -> None:
         endpoint.close()

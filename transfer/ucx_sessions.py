@@ -34,6 +34,10 @@ class UcxRequests:
     def add(self, request: Any, buffer: Any) -> None:
         self._pending.append((request, buffer))
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
     def poll(self) -> bool:
         """True once every request has completed; the first failure is kept in `error`."""
         still_pending = []
@@ -78,13 +82,11 @@ class HolderSession(Session):
         self._book = book
         self._regions = regions
         self.transfer_id: str | None = None
-        self._checksum_value: int | None = None
-        self._has_reported_sent = False
 
     def on_message(self, message: ControlMessage) -> None:
         if message.kind is MessageKind.PULL and self.transfer_id is None:
             self._start(message)
-        elif message.kind is MessageKind.DONE and self._has_reported_sent:
+        elif message.kind is MessageKind.DONE and self.transfer_id is not None:
             self.end(TransferStatus.DONE, None, notify=False)
         elif message.kind is MessageKind.CANCEL:
             self.end(_status_named(message.status), message.error or "cancelled by the puller", notify=False)
@@ -106,33 +108,31 @@ class HolderSession(Session):
     def _serve(self, entry: OfferEntry, message: ControlMessage) -> None:
         region = self._regions.get(entry.region_name)
         runs = [PageRun(first, 0, count) for first, count in message.runs]
+        checksum_value = None
         if message.checksum and region.device == "cpu":
-            self._checksum_value = checksum_runs(region, runs, use_src=True)
+            checksum_value = checksum_runs(region, runs, use_src=True)
         try:
             self.endpoint = self.binding.connect(bytes.fromhex(message.worker_address))
         except Exception as error:  # a bad or unreachable address from the peer
             self.end(TransferStatus.FAILED, f"cannot reach the puller's UCX worker: {error}", notify=True)
             return
-        self.connection.send(
-            ControlMessage(
-                MessageKind.ACCEPT, entry.transfer_id, worker_address=self.binding.worker_address.hex()
-            )
-        )
         for index, run in enumerate(runs):
             buffer = page_buffer(region, run.src_first, run.num_pages)
             self.requests.add(self.binding.send(self.endpoint, buffer, message.tag_base + index), buffer)
+        accept = ControlMessage(
+            MessageKind.ACCEPT,
+            entry.transfer_id,
+            worker_address=self.binding.worker_address.hex(),
+            checksum_value=checksum_value,
+        )
+        self.connection.send(accept)
 
     def poll(self, now: float) -> None:
-        if self.is_ended or self.transfer_id is None or self._has_reported_sent:
+        # Completion of the sends needs no report: the puller's DONE (all receives landed) ends it.
+        if self.is_ended or self.transfer_id is None:
             return
-        if self.requests.poll():
-            if self.requests.error is not None:
-                self.end(TransferStatus.FAILED, f"send failed: {self.requests.error}", notify=True)
-                return
-            self._has_reported_sent = True
-            self.connection.send(
-                ControlMessage(MessageKind.SENT, self.transfer_id, checksum_value=self._checksum_value)
-            )
+        if self.requests.poll() and self.requests.error is not None:
+            self.end(TransferStatus.FAILED, f"send failed: {self.requests.error}", notify=True)
 
     def on_end_of_stream(self) -> None:
         if self.transfer_id is None:
@@ -177,7 +177,7 @@ class PullSession(Session):
         self._checksum = checksum
         self.deadline = deadline
         self._tag_base = 0
-        self._sent_notice: ControlMessage | None = None
+        self._expected_checksum: int | None = None
 
     def start(self, message: ControlMessage) -> None:
         self._tag_base = message.tag_base
@@ -187,8 +187,6 @@ class PullSession(Session):
     def on_message(self, message: ControlMessage) -> None:
         if message.kind is MessageKind.ACCEPT and self.endpoint is None:
             self._receive(message)
-        elif message.kind is MessageKind.SENT:
-            self._sent_notice = message
         elif message.kind is MessageKind.ERROR:
             self.end(TransferStatus.FAILED, f"refused by the holder: {message.error}", notify=False)
         elif message.kind is MessageKind.CANCEL:
@@ -197,6 +195,7 @@ class PullSession(Session):
             self.end(TransferStatus.FAILED, f"unexpected {message.kind.value} message", notify=True)
 
     def _receive(self, message: ControlMessage) -> None:
+        self._expected_checksum = message.checksum_value
         try:
             self.endpoint = self.binding.connect(bytes.fromhex(message.worker_address))
         except Exception as error:  # a bad or unreachable address from the peer
@@ -217,12 +216,12 @@ class PullSession(Session):
             return
         if self.requests.error is not None:
             self.end(TransferStatus.FAILED, f"receive failed: {self.requests.error}", notify=True)
-        elif self._sent_notice is not None:
-            self._complete(self._sent_notice)
+        else:
+            self._complete()
 
-    def _complete(self, sent: ControlMessage) -> None:
-        if self._checksum and sent.checksum_value is not None:
-            if checksum_runs(self._destination, self._runs, use_src=False) != sent.checksum_value:
+    def _complete(self) -> None:
+        if self._checksum and self._expected_checksum is not None:
+            if checksum_runs(self._destination, self._runs, use_src=False) != self._expected_checksum:
                 self.end(TransferStatus.FAILED, "checksum mismatch", notify=True)
                 return
         self.handle.bytes_moved = sum(run.num_pages for run in self._runs) * self._destination.page_bytes

@@ -1,0 +1,322 @@
+"""Transfer benchmark: pull a prompt's KV pages between two processes on this host.
+
+    beamsplit bench transfer [--json] [--quick]        (or: python bench/transfer.py ...)
+
+Geometry is Llama-3-8B-like: 32 layers, 8 KV heads, head 128, 2 bytes, K and V, so one token is
+128 KiB and a page of T tokens is T * 128 KiB. Destination pages are in reverse order, so no two
+pages are adjacent at both ends and every page is its own message (the worst case for a real,
+fragmented pool). For each case, in the same run and with the same UCX transports (the environment
+is shared), the references are `ucx_perftest -t tag_bw` with the same message size and count, and
+NIXL (UCX backend, one-sided READ of the same pages). gbps is 10^9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOKEN_BYTES = 32 * 2 * 8 * 128 * 2  # layers * (K, V) * KV heads * head size * bytes
+BLOCK_SIZES = (16, 32, 64, 128)
+PROMPT_LENS = (512, 4096, 16384)
+QUICK_CASES = ((32, 512), (32, 4096), (128, 4096))
+POOL_BYTES = max(PROMPT_LENS) * TOKEN_BYTES  # 2 GiB per side
+QUICK_POOL_BYTES = 4096 * TOKEN_BYTES
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+# ---- the holder process ------------------------------------------------------------------------
+def serve(pool_bytes: int) -> None:
+    """Holds a pool, offers pages through a UcxTransferAgent and exposes it to NIXL; JSON lines on stdio."""
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    from transfer import MemoryRegion, UcxTransferAgent
+
+    # Answers go to the original stdout; everything else (NIXL logs there) goes to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    def answer(payload: dict[str, Any]) -> None:
+        answers.write(json.dumps(payload) + "\n")
+        answers.flush()
+
+    pool = np.random.default_rng(0).integers(0, 256, pool_bytes, dtype=np.uint8)
+    agent = UcxTransferAgent()
+    for block_size in BLOCK_SIZES:
+        page_bytes = block_size * TOKEN_BYTES
+        agent.register(
+            f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
+        )
+    nixl = nixl_agent("holder", nixl_agent_config(backends=["UCX"]))
+    nixl.register_memory([(pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
+    answer(
+        {
+            "address": agent.address,
+            "nixl_metadata": nixl.get_agent_metadata().hex(),
+            "pool_address": pool.ctypes.data,
+        }
+    )
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "offer":
+            offer = agent.offer(f"kv{command['block_size']}", command["page_ids"], 60.0)
+            answer({"transfer_id": offer.transfer_id, "secret": offer.secret})
+        else:
+            break
+    agent.close()
+
+
+class Holder:
+    def __init__(self, pool_bytes: int) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve", "--pool-bytes", str(pool_bytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )
+        self.info = self.read()
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        if not select.select([self.process.stdout], [], [], 60.0)[0]:
+            raise TimeoutError("benchmark holder process did not answer")
+        return dict(json.loads(self.process.stdout.readline()))
+
+    def offer(self, block_size: int, page_ids: list[int]) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(
+            json.dumps({"op": "offer", "block_size": block_size, "page_ids": page_ids}) + "\n"
+        )
+        self.process.stdin.flush()
+        return self.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+
+# ---- the references ----------------------------------------------------------------------------
+def _perftest_command() -> tuple[str, dict[str, str]]:
+    import libucx
+
+    root = Path(libucx.__file__).resolve().parent
+    environment = {**os.environ, "LD_LIBRARY_PATH": f"{root / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    environment["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+    return str(root / "bin" / "ucx_perftest"), environment
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def perftest_gbps(message_bytes: int, num_messages: int) -> float:
+    """ucx_perftest tag_bw between two processes: the UCX limit for this message size."""
+    binary, environment = _perftest_command()
+    port = _free_port()
+    server = subprocess.Popen(
+        [binary, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment
+    )
+    try:
+        time.sleep(0.3)
+        iterations = max(num_messages, 32)
+        client = subprocess.run(
+            [
+                binary,
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-t",
+                "tag_bw",
+                "-s",
+                str(message_bytes),
+                "-n",
+                str(iterations),
+                "-w",
+                "8",
+            ],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=60,
+        )
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    final = [line for line in client.stdout.splitlines() if line.startswith("Final:")]
+    if not final:
+        raise RuntimeError(f"ucx_perftest gave no result: {client.stdout[-500:]} {client.stderr[-500:]}")
+    megabytes_per_second = float(final[0].split()[6])  # overall bandwidth, MB = 2^20 bytes
+    return megabytes_per_second * (1 << 20) / 1e9
+
+
+class NixlReader:
+    """NIXL, UCX backend: one READ request for all the pages, as serving systems use it."""
+
+    def __init__(self, local_address: int, holder_info: dict[str, Any]) -> None:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+
+        self._agent = nixl_agent("puller", nixl_agent_config(backends=["UCX"]))
+        self._local_address = local_address
+        self._remote_address = int(holder_info["pool_address"])
+        self._remote_name = self._agent.add_remote_agent(bytes.fromhex(holder_info["nixl_metadata"]))
+
+    def register(self, num_bytes: int) -> None:
+        self._agent.register_memory([(self._local_address, num_bytes, 0, "")], "DRAM")
+
+    def read_seconds(self, page_bytes: int, src_page_ids: list[int], dst_page_ids: list[int]) -> float:
+        local = self._agent.get_xfer_descs(
+            [(self._local_address + page * page_bytes, page_bytes, 0) for page in dst_page_ids], "DRAM"
+        )
+        remote = self._agent.get_xfer_descs(
+            [(self._remote_address + page * page_bytes, page_bytes, 0) for page in src_page_ids], "DRAM"
+        )
+        start = time.perf_counter()
+        handle = self._agent.initialize_xfer("READ", local, remote, self._remote_name)
+        state = self._agent.transfer(handle)
+        while state == "PROC":
+            state = self._agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - start
+        self._agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer ended {state}")
+        return elapsed
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def run_cases(quick: bool) -> list[dict[str, Any]]:
+    from transfer import MemoryRegion, TransferStatus, UcxTransferAgent
+
+    cases = (
+        QUICK_CASES if quick else tuple((block, prompt) for block in BLOCK_SIZES for prompt in PROMPT_LENS)
+    )
+    pool_bytes = QUICK_POOL_BYTES if quick else POOL_BYTES
+    repeats = 2 if quick else 3
+    expected = np.random.default_rng(0).integers(0, 256, pool_bytes, dtype=np.uint8)
+    pool = np.empty(pool_bytes, dtype=np.uint8)
+    pool.fill(0)  # touch every page now, as a serving pool is, so first-touch faults are not timed
+    holder = Holder(pool_bytes)
+    agent = UcxTransferAgent()
+    results = []
+    try:
+        for block_size in BLOCK_SIZES:
+            page_bytes = block_size * TOKEN_BYTES
+            agent.register(
+                f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
+            )
+        nixl = NixlReader(pool.ctypes.data, holder.info)
+        nixl.register(pool_bytes)
+        for block_size, prompt_len in cases:
+            page_bytes = block_size * TOKEN_BYTES
+            num_pages = prompt_len // block_size
+            src, dst = list(range(num_pages)), list(range(num_pages - 1, -1, -1))
+            seconds = []
+            for _ in range(repeats):
+                offer = holder.offer(block_size, src)
+                region = f"kv{block_size}"
+                start = time.perf_counter()
+                handle = agent.pull(
+                    holder.info["address"],
+                    offer["transfer_id"],
+                    offer["secret"],
+                    region,
+                    src,
+                    region,
+                    dst,
+                    60.0,
+                )
+                if handle.wait(60.0) is not TransferStatus.DONE:
+                    raise RuntimeError(f"pull ended {handle}")
+                seconds.append(time.perf_counter() - start)
+            pages = pool.reshape(-1, page_bytes)
+            if not np.array_equal(pages[dst], expected.reshape(-1, page_bytes)[src]):
+                raise RuntimeError("pulled pages differ from the holder's")
+            nixl_seconds = min(nixl.read_seconds(page_bytes, src, dst) for _ in range(repeats))
+            total = num_pages * page_bytes
+            reference = perftest_gbps(page_bytes, num_pages)
+            gbps = total / min(seconds) / 1e9
+            results.append(
+                {
+                    "case": f"block{block_size}_prompt{prompt_len}",
+                    "message_bytes": page_bytes,
+                    "num_messages": num_pages,
+                    "bytes": total,
+                    "seconds": round(min(seconds), 6),
+                    "gbps": round(gbps, 3),
+                    "reference_gbps": round(reference, 3),
+                    "ratio": round(gbps / reference, 3),
+                    "nixl_gbps": round(total / nixl_seconds / 1e9, 3),
+                }
+            )
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    finally:
+        agent.close()
+        holder.stop()
+    return results
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    sizes = [result["message_bytes"] / (1 << 20) for result in results]
+    for key, label, marker in (
+        ("gbps", "beamsplit UcxTransferAgent", "o"),
+        ("reference_gbps", "ucx_perftest tag_bw", "s"),
+        ("nixl_gbps", "NIXL READ (UCX)", "^"),
+    ):
+        axes.scatter(sizes, [result[key] for result in results], label=label, marker=marker)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("message size (MiB, one KV page)")
+    axes.set_ylabel("GB/s")
+    axes.set_title("KV page pull between two processes on one host")
+    axes.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON list")
+    parser.add_argument("--quick", action="store_true", help="three cases, smaller pools")
+
+
+def run(arguments: argparse.Namespace) -> int:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    results = run_cases(arguments.quick)
+    plot_path = OUT_DIR / "transfer.png"
+    plot(results, plot_path)
+    print(json.dumps(results, indent=None if arguments.json else 1))
+    if not arguments.json:
+        print(f"plot: {plot_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pool-bytes", type=int, default=POOL_BYTES, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.serve:
+        serve(options.pool_bytes)
+    else:
+        sys.exit(run(options))
