@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    from beamsplit import generate_args
+    import beamsplit.generate_args as generate_args
 
     parser = subparsers.add_parser(
         "generate",
