@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import selectors
 import socket
 import threading
@@ -34,13 +35,13 @@ from transfer.control import Connection, ControlMessage, MessageKind, ProtocolEr
 from transfer.offer_book import OfferBook
 from transfer.pages import RegionTable, check_page_ids, plan_runs
 from transfer.ucx_binding import UcxBinding, load_binding
+from transfer.ucx_endpoints import EndpointPool
 from transfer.ucx_sessions import HolderSession, PullSession, Session
 
 _logger = logging.getLogger(__name__)
 _IDLE_TICK_S = 0.005
 _COMMAND_WAIT_S = 5.0
 _CONNECT_TIMEOUT_S = 2.0
-_ENDPOINT_LINGER_S = 5.0  # closed endpoints are kept referenced while UCX finishes closing them
 
 
 class UcxTransferAgent(TransferAgent):
@@ -60,8 +61,8 @@ class UcxTransferAgent(TransferAgent):
         self._selector.register(self._wake_reader, selectors.EVENT_READ, None)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sessions: dict[int, Session] = {}  # by control socket fd
-        self._closing: list[tuple[float, Any]] = []
-        self._tags = itertools.count(1)
+        self._endpoints = EndpointPool(self._binding)
+        self._tags = itertools.count(secrets.randbits(24))  # unguessable start; unique per agent
         self._lock = threading.Lock()
         self._is_closed = False
         self._thread = threading.Thread(target=self._run, name=f"ucx-agent-{self.address}", daemon=True)
@@ -210,7 +211,9 @@ class UcxTransferAgent(TransferAgent):
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
-            self._add_session(HolderSession(self._binding, Connection(sock), self._book, self._regions))
+            self._add_session(
+                HolderSession(self._binding, Connection(sock), self._endpoints, self._book, self._regions)
+            )
         else:
             self._on_control_data(key.data)
 
@@ -249,12 +252,10 @@ class UcxTransferAgent(TransferAgent):
                 _logger.exception("transfer agent %s: session failed", self.address)
                 session.end(TransferStatus.FAILED, f"internal error: {error}", notify=True)
             if session.is_ended:
-                self._forget(fileno, session, now)
-        self._closing = [
-            (since, endpoint) for since, endpoint in self._closing if now - since < _ENDPOINT_LINGER_S
-        ]
+                self._forget(fileno, session)
+        self._endpoints.sweep(now)
 
-    def _forget(self, fileno: int, session: Session, now: float) -> None:
+    def _forget(self, fileno: int, session: Session) -> None:
         try:
             self._selector.unregister(session.connection.sock)
         except (KeyError, ValueError):
@@ -262,7 +263,6 @@ class UcxTransferAgent(TransferAgent):
         session.connection.close()
         with self._lock:
             self._sessions.pop(fileno, None)
-        self._closing.extend((now, endpoint) for endpoint in session.closing_endpoints)
 
     def _start_pull(
         self,
@@ -276,6 +276,22 @@ class UcxTransferAgent(TransferAgent):
     ) -> None:
         if handle.status.is_final:
             return  # cancelled before the loop got to it
+        try:
+            self._connect_pull(peer_address, handle, destination, runs, checksum, deadline, message)
+        except Exception as error:  # never leave a handle pending because the loop hit a bug
+            _logger.exception("transfer agent %s: pull failed to start", self.address)
+            handle._finish(TransferStatus.FAILED, f"internal error: {error}")
+
+    def _connect_pull(
+        self,
+        peer_address: str,
+        handle: PullHandle,
+        destination: MemoryRegion,
+        runs: Any,
+        checksum: bool,
+        deadline: float,
+        message: ControlMessage,
+    ) -> None:
         host, _, port = peer_address.rpartition(":")
         try:
             sock = socket.create_connection(
@@ -284,7 +300,9 @@ class UcxTransferAgent(TransferAgent):
         except (OSError, ValueError) as error:
             handle._finish(TransferStatus.FAILED, f"cannot connect to holder {peer_address}: {error}")
             return
-        session = PullSession(self._binding, Connection(sock), handle, destination, runs, checksum, deadline)
+        session = PullSession(
+            self._binding, Connection(sock), self._endpoints, handle, destination, runs, checksum, deadline
+        )
         self._add_session(session)
         session.start(message)
 
@@ -313,3 +331,4 @@ class UcxTransferAgent(TransferAgent):
         for transfer_id in self._book.live_ids():
             self._book.end(transfer_id, TransferStatus.CANCELLED)
         self._poll_sessions(time.monotonic())
+        self._endpoints.close_all()
