@@ -56,6 +56,7 @@ def serve(pool_bytes: int) -> None:
         agent.register(
             f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
         )
+    # The target needs its own progress (connection wire-up); the initiator progresses as it polls.
     nixl = nixl_agent("holder", nixl_agent_config(backends=["UCX"]))
     nixl.register_memory([(pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
     answer(
@@ -169,7 +170,7 @@ class NixlReader:
     def __init__(self, local_address: int, holder_info: dict[str, Any]) -> None:
         from nixl_cu12 import nixl_agent, nixl_agent_config
 
-        self._agent = nixl_agent("puller", nixl_agent_config(backends=["UCX"]))
+        self._agent = nixl_agent("puller", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._local_address = local_address
         self._remote_address = int(holder_info["pool_address"])
         self._remote_name = self._agent.add_remote_agent(bytes.fromhex(holder_info["nixl_metadata"]))
@@ -187,7 +188,8 @@ class NixlReader:
         start = time.perf_counter()
         handle = self._agent.initialize_xfer("READ", local, remote, self._remote_name)
         state = self._agent.transfer(handle)
-        while state == "PROC":
+        deadline = start + 60.0
+        while state == "PROC" and time.perf_counter() < deadline:
             state = self._agent.check_xfer_state(handle)
         elapsed = time.perf_counter() - start
         self._agent.release_xfer_handle(handle)
@@ -246,7 +248,8 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
                 raise RuntimeError("pulled pages differ from the holder's")
             nixl_seconds = min(nixl.read_seconds(page_bytes, src, dst) for _ in range(repeats))
             total = num_pages * page_bytes
-            reference = perftest_gbps(page_bytes, num_pages)
+            # Best of as many runs as ours: both sides get the same chance on a noisy shared host.
+            reference = max(perftest_gbps(page_bytes, num_pages) for _ in range(repeats))
             gbps = total / min(seconds) / 1e9
             results.append(
                 {

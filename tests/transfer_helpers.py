@@ -91,6 +91,10 @@ def _when_serving(agent: TransferAgent, action: Any) -> None:
 
 
 def _serve(arguments: argparse.Namespace) -> None:
+    # Answers go to the original stdout; UCX may log there (UCX_PROTO_INFO=y), so send fd 1 to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
     pool = seeded_pool(arguments.seed, arguments.num_pages, arguments.page_bytes)
     agent = UcxTransferAgent()
     agent.register("kv", MemoryRegion(pool.ctypes.data, arguments.page_bytes, arguments.num_pages))
@@ -98,7 +102,8 @@ def _serve(arguments: argparse.Namespace) -> None:
     offers: list[str] = []
 
     def answer(payload: dict[str, Any]) -> None:
-        print(json.dumps(payload), flush=True)
+        answers.write(json.dumps(payload) + "\n")
+        answers.flush()
 
     def on_done(transfer_id: str, status: TransferStatus) -> None:
         events.append((transfer_id, status.name))
