@@ -56,6 +56,7 @@ def serve(pool_bytes: int) -> None:
         agent.register(
             f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
         )
+    raw = RawUcx()
     # The target needs its own progress (connection wire-up); the initiator progresses as it polls.
     nixl = nixl_agent("holder", nixl_agent_config(backends=["UCX"]))
     nixl.register_memory([(pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
@@ -64,6 +65,7 @@ def serve(pool_bytes: int) -> None:
             "address": agent.address,
             "nixl_metadata": nixl.get_agent_metadata().hex(),
             "pool_address": pool.ctypes.data,
+            "raw_address": raw.binding.worker_address.hex(),
         }
     )
     for line in sys.stdin:
@@ -71,9 +73,73 @@ def serve(pool_bytes: int) -> None:
         if command["op"] == "offer":
             offer = agent.offer(f"kv{command['block_size']}", command["page_ids"], 60.0)
             answer({"transfer_id": offer.transfer_id, "secret": offer.secret})
+        elif command["op"] == "raw_send":
+            page_bytes = command["block_size"] * TOKEN_BYTES
+            views = [_pages(pool, page * page_bytes, page_bytes) for page in command["page_ids"]]
+            raw.send(bytes.fromhex(command["address"]), views, command["tag_base"])
+            answer({"ok": True})
         else:
             break
     agent.close()
+
+
+def _pages(pool: np.ndarray, offset: int, num_bytes: int) -> memoryview:
+    return memoryview(pool[offset : offset + num_bytes])
+
+
+class RawUcx:
+    """The UCX limit for these very pages: the agent's binding in a bare loop (tags, window 32, no
+    control protocol, no agent thread). Same memory as ours; ucx_perftest reuses one cache-hot buffer."""
+
+    def __init__(self) -> None:
+        from transfer.ucx_binding import load_binding
+
+        self.binding = load_binding("ucxx")
+        self._endpoints: dict[bytes, Any] = {}
+        self._tags = 0
+
+    def _wait(self, requests: list[Any]) -> None:
+        deadline = time.monotonic() + 60.0
+        for request in requests:
+            while not self.binding.request_state(request)[0]:
+                self.binding.progress()
+                if time.monotonic() > deadline:
+                    raise TimeoutError("raw UCX transfer did not complete")
+
+    def send(self, address: bytes, views: list[memoryview], tag_base: int) -> None:
+        if address not in self._endpoints:
+            self._endpoints[address] = self.binding.connect(address)
+        endpoint = self._endpoints[address]
+        for first in range(0, len(views), 32):
+            batch = views[first : first + 32]
+            self._wait(
+                [self.binding.send(endpoint, view, tag_base + first + i) for i, view in enumerate(batch)]
+            )
+
+    def receive_seconds(
+        self, holder: Holder, block_size: int, pool: np.ndarray, src: list[int], dst: list[int]
+    ) -> float:
+        page_bytes = block_size * TOKEN_BYTES
+        group = self.binding.connect(self.binding.worker_address)
+        self._tags += 1
+        tag_base = self._tags << 32
+        views = [_pages(pool, page * page_bytes, page_bytes) for page in dst]
+        start = time.perf_counter()
+        requests = [self.binding.receive(group, view, tag_base + i) for i, view in enumerate(views)]
+        holder.send_command(
+            {
+                "op": "raw_send",
+                "block_size": block_size,
+                "page_ids": src,
+                "tag_base": tag_base,
+                "address": self.binding.worker_address.hex(),
+            }
+        )
+        self._wait(requests)
+        elapsed = time.perf_counter() - start
+        holder.read()
+        self.binding.close_endpoint(group)
+        return elapsed
 
 
 class Holder:
@@ -95,12 +161,13 @@ class Holder:
         return dict(json.loads(self.process.stdout.readline()))
 
     def offer(self, block_size: int, page_ids: list[int]) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(
-            json.dumps({"op": "offer", "block_size": block_size, "page_ids": page_ids}) + "\n"
-        )
-        self.process.stdin.flush()
+        self.send_command({"op": "offer", "block_size": block_size, "page_ids": page_ids})
         return self.read()
+
+    def send_command(self, command: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -219,6 +286,7 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
             agent.register(
                 f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
             )
+        raw = RawUcx()
         nixl = NixlReader(pool.ctypes.data, holder.info)
         nixl.register(pool_bytes)
         for block_size, prompt_len in cases:
@@ -247,6 +315,7 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
             if not np.array_equal(pages[dst], expected.reshape(-1, page_bytes)[src]):
                 raise RuntimeError("pulled pages differ from the holder's")
             nixl_seconds = min(nixl.read_seconds(page_bytes, src, dst) for _ in range(repeats))
+            raw_seconds = min(raw.receive_seconds(holder, block_size, pool, src, dst) for _ in range(repeats))
             total = num_pages * page_bytes
             # Best of as many runs as ours: both sides get the same chance on a noisy shared host.
             reference = max(perftest_gbps(page_bytes, num_pages) for _ in range(repeats))
@@ -262,6 +331,7 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
                     "reference_gbps": round(reference, 3),
                     "ratio": round(gbps / reference, 3),
                     "nixl_gbps": round(total / nixl_seconds / 1e9, 3),
+                    "same_pages_ucx_gbps": round(total / raw_seconds / 1e9, 3),
                 }
             )
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)

@@ -3,9 +3,9 @@
 One thread owns everything that moves: the control listener and connections (a selector), the UCX
 worker (it calls progress), the sessions and every deadline. Public methods are thread-safe: they
 validate, then hand the loop a command and wake it; `revoke`, `cancel` and `close` wait (bounded)
-until the loop has done it, so stats are exact when they return. While any session is live the
-loop polls without sleeping while UCX requests are posted (UCX moves data only inside progress
-calls); otherwise it sleeps in the selector, woken by control messages, commands or a tick.
+until the loop has done it, so stats are exact when they return. The loop spins while UCX
+requests are posted (UCX moves data only inside progress calls); otherwise it sleeps in the
+selector, woken by a control message, a command or a 5 ms tick that drives the deadlines.
 """
 
 from __future__ import annotations

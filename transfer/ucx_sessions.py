@@ -17,6 +17,8 @@ from transfer.pages import PageRun, checksum_runs, host_view
 from transfer.ucx_binding import CudaPages, UcxBinding
 from transfer.ucx_endpoints import EndpointPool
 
+_SEND_WINDOW = 32
+
 
 def page_buffer(region: MemoryRegion, first_page: int, num_pages: int) -> Any:
     """The pages as a buffer UCX reads or writes in place (no staging copy)."""
@@ -45,6 +47,10 @@ class UcxRequests:
     @property
     def has_pending(self) -> bool:
         return bool(self._pending)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
 
     def poll(self) -> bool:
         """True once every request has completed; the first failure is kept in `error`."""
@@ -98,6 +104,10 @@ class HolderSession(Session):
         self._book = book
         self._regions = regions
         self.transfer_id: str | None = None
+        self._source: MemoryRegion | None = None
+        self._runs: list[PageRun] = []
+        self._tag_base = 0
+        self._num_posted = 0
 
     def on_message(self, message: ControlMessage) -> None:
         if message.kind is MessageKind.PULL and self.transfer_id is None:
@@ -132,9 +142,8 @@ class HolderSession(Session):
         except Exception as error:  # a bad or unreachable address from the peer
             self.end(TransferStatus.FAILED, f"cannot reach the puller's UCX worker: {error}", notify=True)
             return
-        for index, run in enumerate(runs):
-            buffer = page_buffer(region, run.src_first, run.num_pages)
-            self.requests.add(self.binding.send(self.endpoint, buffer, message.tag_base + index), buffer)
+        self._source, self._runs, self._tag_base = region, runs, message.tag_base
+        self._post_sends()
         accept = ControlMessage(
             MessageKind.ACCEPT,
             entry.transfer_id,
@@ -147,8 +156,22 @@ class HolderSession(Session):
         # Completion of the sends needs no report: the puller's DONE (all receives landed) ends it.
         if self.is_ended or self.transfer_id is None:
             return
-        if self.requests.poll() and self.requests.error is not None:
+        self.requests.poll()
+        if self.requests.error is not None:
             self.end(TransferStatus.FAILED, f"send failed: {self.requests.error}", notify=True)
+        else:
+            self._post_sends()
+
+    def _post_sends(self) -> None:
+        """Keeps at most _SEND_WINDOW sends outstanding, as ucx_perftest does: posting a thousand
+        rendezvous sends at once only queues them inside UCX, where they cost on every progress."""
+        assert self._source is not None
+        while self._num_posted < len(self._runs) and self.requests.num_pending < _SEND_WINDOW:
+            run = self._runs[self._num_posted]
+            buffer = page_buffer(self._source, run.src_first, run.num_pages)
+            tag = self._tag_base + self._num_posted
+            self.requests.add(self.binding.send(self.endpoint, buffer, tag), buffer)
+            self._num_posted += 1
 
     def on_end_of_stream(self) -> None:
         if self.transfer_id is None:
