@@ -8,6 +8,7 @@ of it can still land in, or be read from, the pool.
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 from transfer.agent import MemoryRegion, PullHandle, TransferError, TransferStatus
@@ -18,6 +19,8 @@ from transfer.ucx_binding import CudaPages, UcxBinding
 from transfer.ucx_endpoints import EndpointPool
 
 _SEND_WINDOW = 32
+_MAX_PAGES_PER_PULL = 1 << 22  # refuse absurd page counts before expanding the runs
+_PULL_WAIT_S = 10.0  # a connection that sends no PULL within this is dropped
 
 
 def page_buffer(region: MemoryRegion, first_page: int, num_pages: int) -> Any:
@@ -108,6 +111,7 @@ class HolderSession(Session):
         self._runs: list[PageRun] = []
         self._tag_base = 0
         self._num_posted = 0
+        self._opened_at = time.monotonic()
 
     def on_message(self, message: ControlMessage) -> None:
         if message.kind is MessageKind.PULL and self.transfer_id is None:
@@ -120,6 +124,11 @@ class HolderSession(Session):
             self.end(TransferStatus.FAILED, f"unexpected {message.kind.value} message", notify=True)
 
     def _start(self, message: ControlMessage) -> None:
+        counts = [count for _, count in message.runs]
+        if not counts or min(counts) < 1 or sum(counts) > _MAX_PAGES_PER_PULL:
+            error = f"malformed page runs in the pull of transfer {message.transfer_id}"
+            self.release(ControlMessage(MessageKind.ERROR, message.transfer_id, error=error))
+            return
         page_ids = [first + offset for first, count in message.runs for offset in range(count)]
         try:
             entry = self._book.claim(
@@ -154,7 +163,11 @@ class HolderSession(Session):
 
     def poll(self, now: float) -> None:
         # Completion of the sends needs no report: the puller's DONE (all receives landed) ends it.
-        if self.is_ended or self.transfer_id is None:
+        if self.is_ended:
+            return
+        if self.transfer_id is None:
+            if now - self._opened_at > _PULL_WAIT_S:
+                self.release(None)
             return
         self.requests.poll()
         if self.requests.error is not None:

@@ -7,6 +7,7 @@ reserved. Helpers bind port 0 (the kernel picks a free port) and are killed by p
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
@@ -206,3 +207,16 @@ def test_cancel_from_either_side_frees_both(
     assert handle.wait(5.0) is TransferStatus.CANCELLED, handle
     assert_idle(local, peer)
     assert [status for _, status in peer.call("events")["events"]] == ["CANCELLED"]
+
+
+def test_garbage_on_the_control_port_harms_nothing(small: tuple[LocalSide, PeerProcess]) -> None:
+    local, peer = small
+    host, _, port = peer.address.rpartition(":")
+    for payload in (b"\x00\x00\x00\x05hello", b"\xff\xff\xff\xff", b'\x00\x00\x00\x10{"kind": "pull"}'):
+        with socket.create_connection((host, int(port)), timeout=2.0) as probe:
+            probe.sendall(payload)
+    expected = seeded_pool(SEED, 128, 16 << 10)
+    _, handle = local.pull(peer, [3], [4])
+    assert handle.wait(10.0) is TransferStatus.DONE, handle.error
+    assert np.array_equal(local.pool[4], expected[3])
+    assert_idle(local, peer)
