@@ -358,6 +358,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ("gbps", "beamsplit UcxTransferAgent", "o"),
         ("reference_gbps", "ucx_perftest tag_bw", "s"),
         ("nixl_gbps", "NIXL READ (UCX)", "^"),
+        ("same_pages_ucx_gbps", "bare UCX loop, same pages", "x"),
     ):
         axes.scatter(sizes, [result[key] for result in results], label=label, marker=marker)
     axes.set_xscale("log", base=2)
