@@ -7,6 +7,7 @@ import logging
 
 from beamsplit.aggregated import AggregatedService
 from beamsplit.client_api_servicer import ClientApiServicer
+from beamsplit.engine_args import engine_config_from_args
 from beamsplit.metrics import ServerMetrics
 from beamsplit.server_common import (
     ShutdownGate,
@@ -16,7 +17,7 @@ from beamsplit.server_common import (
     start_grpc_server,
 )
 from beamsplit.v1 import coordinator_pb2_grpc
-from beamsplit.worker_setup import engine_config_from_args, model_limits, start_engine
+from beamsplit.worker_setup import model_limits, start_engine
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "beamsplit.v1.Coordinator"
@@ -41,10 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     def cleanup() -> None:
         try:
-            remaining = handle.loop.call(lambda engine: engine.num_blocks_in_use(), timeout_s=10.0)
-            logger.info("blocks in use at exit: %d", remaining)
+            handle.stop()
         finally:
-            handle.loop.stop()
             metrics.close()
 
     return run_until_signalled(server, cleanup, args.shutdown_grace_s)

@@ -52,7 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--dtype", default="float64", choices=("float32", "float64"))
     parser.add_argument("--startup-timeout-s", type=float, default=180.0)
-    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary directory)")
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="server logs (default: a temporary directory)"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -76,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         is_ok = _run_cases(cluster.coordinator.address, cluster.aggregated.address, args.max_new_tokens)
         time.sleep(0.3)  # the engine loops publish occupancy after their next iteration
         blocks = cluster.blocks_in_use()
-        _say("KV blocks in use after the run: " + ", ".join(f"{name} {value:g}" for name, value in blocks.items()))
+        _say(
+            "KV blocks in use after the run: "
+            + ", ".join(f"{name} {value:g}" for name, value in blocks.items())
+        )
         is_ok = is_ok and all(value == 0 for value in blocks.values())
     except Exception as error:  # the servers must be stopped whatever went wrong
         _say(f"failed: {type(error).__name__}: {error}")
@@ -95,7 +100,10 @@ def _run_cases(coordinator_address: str, aggregated_address: str, max_new_tokens
     from beamsplit.v1 import common_pb2
 
     is_ok = True
-    with BeamsplitClient(coordinator_address) as coordinator, BeamsplitClient(aggregated_address) as aggregated:
+    with (
+        BeamsplitClient(coordinator_address) as coordinator,
+        BeamsplitClient(aggregated_address) as aggregated,
+    ):
         for index, case in enumerate(CASES, start=1):
             sampling = common_pb2.SamplingOptions(beam_width=case.beam_width, max_new_tokens=max_new_tokens)
             request = build_request(prompt=case.prompt, sampling=sampling)
@@ -124,7 +132,11 @@ def _compare(beams: list, reference: list) -> tuple[bool, float]:  # type: ignor
     for beam, expected in zip(beams, reference, strict=True):
         if beam.token_ids != expected.token_ids or beam.finish_reason != expected.finish_reason:
             return False, float("inf")
-        worst = max(worst, abs(beam.score - expected.score), abs(beam.cumulative_logprob - expected.cumulative_logprob))
+        worst = max(
+            worst,
+            abs(beam.score - expected.score),
+            abs(beam.cumulative_logprob - expected.cumulative_logprob),
+        )
     return worst <= MAX_SCORE_DIFFERENCE, worst
 
 
@@ -133,4 +145,6 @@ def _indent(text: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(run(argparse.Namespace(max_new_tokens=12, dtype="float64", startup_timeout_s=180.0, log_dir=None)))
+    sys.exit(
+        run(argparse.Namespace(max_new_tokens=12, dtype="float64", startup_timeout_s=180.0, log_dir=None))
+    )

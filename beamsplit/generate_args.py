@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from beamsplit.engine_args import add_engine_arguments, engine_config_from_args
+
 if TYPE_CHECKING:
     from engine import SamplingParams
 
@@ -42,14 +44,7 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model and cache")
-    model.add_argument("--model", default="tiny", help="'tiny' (embedded) or a Hugging Face directory")
-    model.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
-    model.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    model.add_argument("--tokens-per-block", type=int, default=32, help="16, 32, 64 or 128")
-    model.add_argument("--num-blocks", type=int, default=2048, help="KV pool size in blocks")
-    model.add_argument("--enable-partial-reuse", action="store_true")
-    model.add_argument("--enable-partial-commit", action="store_true", help="not with beam width > 1")
+    add_engine_arguments(parser)
 
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, encoded with the model's tokenizer")
@@ -95,21 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace) -> int:
     from beamsplit.output import beam_record, format_result
-    from engine import CacheConfig, EngineConfig, LLMEngine
+    from engine import LLMEngine
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            cache=CacheConfig(
-                tokens_per_block=args.tokens_per_block,
-                num_blocks=args.num_blocks,
-                enable_partial_reuse=args.enable_partial_reuse,
-                enable_partial_commit=args.enable_partial_commit,
-            ),
-        )
-    )
+    engine = LLMEngine(engine_config_from_args(args))
     prompt_ids = args.token_ids if args.token_ids is not None else engine.tokenizer.encode(args.prompt)
     output = engine.generate(prompt_ids, sampling_params(args))
     if output.error is not None:

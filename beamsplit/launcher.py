@@ -67,7 +67,9 @@ class ProcessGroup:
     log_dir: Path
     processes: list[ServerProcess] = field(default_factory=list)
 
-    def start(self, name: str, role: str, arguments: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+    def start(
+        self, name: str, role: str, arguments: list[str], env: dict[str, str] | None = None
+    ) -> ServerProcess:
         port, metrics_port = free_port(), free_port()
         command = [
             sys.executable, "-m", "beamsplit.cli", "serve", role,

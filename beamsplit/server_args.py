@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from beamsplit import engine_args
+
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     group = parser.add_argument_group("server")
@@ -16,21 +18,10 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags of the offline `generate`, for every server that owns an engine."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face Llama directory")
-    group.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
-    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    group.add_argument("--tokens-per-block", type=int, default=32, choices=(16, 32, 64, 128))
-    group.add_argument("--num-blocks", type=int, default=2048, help="KV pool size in blocks")
+    """The engine flags of the offline `generate`, plus the batch bound and the engine's seed."""
+    group = engine_args.add_engine_arguments(parser)
     group.add_argument("--max-num-seqs", type=int, default=64, help="beams across all running requests")
-    group.add_argument(
-        "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
-    )
-    group.add_argument(
-        "--enable-partial-commit", action="store_true", help="publish non-full blocks (not with beam search)"
-    )
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=0, help="engine seed (sampling requests without one)")
 
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ the worker's self-description, and its transfer agent with the KV pool registere
 
 from __future__ import annotations
 
-import argparse
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,26 +12,11 @@ from beamsplit.engine_loop import EngineLoop
 from beamsplit.metrics import ServerMetrics
 from beamsplit.request_validation import ModelLimits
 from beamsplit.v1 import common_pb2
-from engine.config import CacheConfig, EngineConfig
+from engine.config import EngineConfig
 from transfer import MemoryRegion, TransferAgent, UcxTransferAgent
 
 KV_REGION_NAME = "kv"
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        cache=CacheConfig(
-            tokens_per_block=args.tokens_per_block,
-            num_blocks=args.num_blocks,
-            enable_partial_reuse=args.enable_partial_reuse,
-            enable_partial_commit=args.enable_partial_commit,
-        ),
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-    )
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +24,14 @@ class EngineHandle:
     engine: Any  # engine.LLMEngine; only the loop thread calls it after start
     loop: EngineLoop
     config: EngineConfig
+
+    def stop(self) -> None:
+        """Logs the blocks still held (0 after a clean drain; tests read it) and stops the loop."""
+        try:
+            remaining = self.loop.call(lambda engine: engine.num_blocks_in_use(), timeout_s=10.0)
+            logger.info("blocks in use at exit: %d", remaining)
+        finally:
+            self.loop.stop()
 
 
 def start_engine(config: EngineConfig, metrics: ServerMetrics) -> EngineHandle:

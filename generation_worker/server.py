@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from beamsplit.engine_args import engine_config_from_args
 from beamsplit.metrics import ServerMetrics
 from beamsplit.server_common import (
     ShutdownGate,
@@ -16,7 +17,6 @@ from beamsplit.server_common import (
 from beamsplit.v1 import worker_pb2_grpc
 from beamsplit.worker_setup import (
     KV_REGION_NAME,
-    engine_config_from_args,
     model_limits,
     start_engine,
     start_transfer_agent,
@@ -69,10 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     def cleanup() -> None:
         try:
-            remaining = handle.loop.call(lambda engine: engine.num_blocks_in_use(), timeout_s=10.0)
-            logger.info("blocks in use at exit: %d", remaining)
+            handle.stop()
         finally:
-            handle.loop.stop()
             context_client.close()
             agent.close()
             metrics.close()

@@ -1,0 +1,49 @@
+"""The engine flags shared by the offline `generate` and every `serve` role that owns an engine.
+
+Kept free of heavy imports (torch, grpc) so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine import EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("model and cache")
+    group.add_argument(
+        "--model", default="tiny", help="'tiny' (embedded) or a local Hugging Face Llama directory"
+    )
+    group.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    group.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    group.add_argument("--tokens-per-block", type=int, default=32, choices=(16, 32, 64, 128))
+    group.add_argument("--num-blocks", type=int, default=2048, help="KV pool size in blocks")
+    group.add_argument(
+        "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
+    )
+    group.add_argument(
+        "--enable-partial-commit", action="store_true", help="publish non-full blocks (not with beam search)"
+    )
+    return group
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from engine import CacheConfig, EngineConfig
+
+    # Servers add --max-num-seqs and an engine --seed; the offline command keeps the defaults.
+    extra = {"max_num_seqs": args.max_num_seqs, "seed": args.seed} if hasattr(args, "max_num_seqs") else {}
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache=CacheConfig(
+            tokens_per_block=args.tokens_per_block,
+            num_blocks=args.num_blocks,
+            enable_partial_reuse=args.enable_partial_reuse,
+            enable_partial_commit=args.enable_partial_commit,
+        ),
+        **extra,
+    )
