@@ -13,12 +13,14 @@ from collections.abc import Sequence
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     import beamsplit.generate_args as generate_args
+    from beamsplit.help_format import DefaultsHelpFormatter
 
     parser = subparsers.add_parser(
         "generate",
         help="generate beams for one prompt, in-process or against a running server (--target)",
         description="Generate beams for one prompt. Without --target the engine runs in this process; "
         "with --target HOST:PORT the request goes to a coordinator or aggregated server.",
+        formatter_class=DefaultsHelpFormatter,
     )
     generate_args.add_arguments(parser)
     parser.set_defaults(handler=generate_args.run)

@@ -49,9 +49,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--max-new-tokens", type=int, default=12)
-    parser.add_argument("--dtype", default="float64", choices=("float32", "float64"))
-    parser.add_argument("--startup-timeout-s", type=float, default=180.0)
+    parser.add_argument("--max-new-tokens", type=int, default=12, help="per request (default: 12)")
+    parser.add_argument(
+        "--dtype",
+        default="float64",
+        choices=("float32", "float64"),
+        help="dtype of every server (default: float64, the exact-parity setting)",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=180.0,
+        help="bound on servers becoming healthy (default: 180)",
+    )
     parser.add_argument(
         "--log-dir", type=Path, default=None, help="server logs (default: a temporary directory)"
     )

@@ -17,9 +17,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument(
         "--model", default="tiny", help="'tiny' (embedded) or a local Hugging Face Llama directory"
     )
-    group.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    group.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64", "bfloat16"),
+        help="weights, KV cache and math",
+    )
     group.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    group.add_argument("--tokens-per-block", type=int, default=32, choices=(16, 32, 64, 128))
+    group.add_argument(
+        "--tokens-per-block", type=int, default=32, choices=(16, 32, 64, 128), help="KV block (page) size"
+    )
     group.add_argument("--num-blocks", type=int, default=2048, help="KV pool size in blocks")
     group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"

@@ -52,8 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sampling = parser.add_argument_group("decoding")
     sampling.add_argument("--beam-width", type=int, default=1, help="1: greedy (or sampling)")
-    sampling.add_argument("--max-new-tokens", type=int, default=16)
-    sampling.add_argument("--length-penalty", type=float, default=1.0)
+    sampling.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per beam")
+    sampling.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="score = logprob / length**penalty (> 1 favours long)",
+    )
     sampling.add_argument(
         "--early-stopping",
         nargs="?",
@@ -62,12 +67,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("true", "false", "never"),
         help="stop once beam_width beams finished (alone: true); 'never' as in transformers",
     )
-    sampling.add_argument("--no-early-stopping", dest="early_stopping", action="store_const", const="false")
+    sampling.add_argument(
+        "--no-early-stopping",
+        dest="early_stopping",
+        action="store_const",
+        const="false",
+        help="same as --early-stopping false",
+    )
     sampling.add_argument("--eos-token-id", type=int, default=None, help="default: the model's eos")
     sampling.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (beam width 1)")
-    sampling.add_argument("--top-k", type=int, default=0)
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k best (0: all)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sampling.add_argument("--seed", type=int, default=None, help="sampling seed")
 
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--target", metavar="HOST:PORT", help="send the request to a running server")

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from beamsplit import server_args
+from beamsplit.help_format import DefaultsHelpFormatter
 
 # role: (module with run(args), default port, its own flags, help)
 ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | None, str]] = (
@@ -53,7 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     roles.required = True
     for role, (module_name, default_port, add_role_arguments, help_text) in ROLES.items():
         role_parser = roles.add_parser(
-            role, help=help_text, description=f"beamsplit serve {role}: {help_text}."
+            role,
+            help=help_text,
+            description=f"beamsplit serve {role}: {help_text}.",
+            formatter_class=DefaultsHelpFormatter,
         )
         server_args.add_server_arguments(role_parser, default_port)
         if role != "coordinator":
