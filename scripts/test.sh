@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "[test] ruff"; .venv/bin/ruff check .
+echo "[test] ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "[test] mypy"; .venv/bin/mypy
 echo "[test] import contracts"; .venv/bin/lint-imports
 echo "[test] pytest"; .venv/bin/python -m pytest -q "$@"
