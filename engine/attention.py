@@ -146,21 +146,26 @@ def paged_attention(
     def gather(kind: int) -> torch.Tensor:
         pages = kv_layer[:, kind][metadata.block_tables]  # [B, M, T, Hkv, D]
         keys = pages.reshape(num_seqs, num_key_slots, num_kv_heads, head_dim)  # [B, K, Hkv, D]
-        return keys.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, K, D]
+        return keys.permute(0, 2, 1, 3).contiguous()  # [B, Hkv, K, D]
 
     keys, values = gather(KEY), gather(VALUE)
 
     padded = query.new_zeros((num_seqs, max_query_len, num_heads, head_dim))  # [B, Q, H, D]
     padded[metadata.query_seq_ids, metadata.query_offsets] = query
-    # Query head h reads kv head h // G, as Hugging Face's repeat_kv does.
+    # Query head h reads kv head h // G, as Hugging Face's repeat_kv does. The G query heads of a
+    # kv head are stacked with the queries so each matmul is a plain batched one over [B, Hkv]:
+    # a broadcast over G instead made torch copy the keys G times on every layer.
     grouped = padded.view(num_seqs, max_query_len, num_kv_heads, group, head_dim)
-    grouped = grouped.permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+    grouped = grouped.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * max_query_len, head_dim)
 
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, Q, K]
-    scores = scores.masked_fill(~metadata.key_mask[:, None, None], float("-inf"))
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G*Q, K]
+    scores = scores.view(num_seqs, num_kv_heads, group, max_query_len, num_key_slots)
+    scores = scores.masked_fill(~metadata.key_mask[:, None, None], float("-inf"))  # [B, Hkv, G, Q, K]
     # bfloat16 scores are normalised in float32; float32 and float64 keep their own precision.
     softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
     probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(query.dtype)
-    output = torch.matmul(probs, values)  # [B, Hkv, G, Q, D]
+    probs = probs.view(num_seqs, num_kv_heads, group * max_query_len, num_key_slots)
+    output = torch.matmul(probs, values)  # [B, Hkv, G*Q, D]
+    output = output.view(num_seqs, num_kv_heads, group, max_query_len, head_dim)
     output = output.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_query_len, num_heads, head_dim)
     return output[metadata.query_seq_ids, metadata.query_offsets]  # [N, H, D]
