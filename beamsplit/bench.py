@@ -12,7 +12,10 @@ from pathlib import Path
 from types import ModuleType
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
-BENCHMARKS = (("transfer", "KV page pulls between two processes vs ucx_perftest and NIXL"),)
+BENCHMARKS = (
+    ("transfer", "KV page pulls between two processes vs ucx_perftest and NIXL"),
+    ("service", "disaggregated service vs aggregated server: bytes pulled and latency per beam width"),
+)
 
 
 def _load(name: str) -> ModuleType:
