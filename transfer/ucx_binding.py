@@ -13,6 +13,16 @@ Why these choices (measured on a 2-core host, 4 MiB messages; docs/transfer.md h
   connection instead (transfer/control.py), and endpoints are closed (cancelling their requests).
 - The agent's own thread calls progress; no binding progress thread, no asyncio, so a request's
   completion is seen as soon as UCX reports it and nothing else touches the worker.
+- Every context is created with UCX_PROTO_INDIRECT_ID=on (`UCX_CONFIG`). Without error handling
+  UCX otherwise puts raw endpoint and request pointers on the wire. When a holder is killed
+  mid-pull, the puller's first rendezvous read from it fails (process_vm_readv: no such process),
+  UCX destroys the endpoint it created for that peer (an internal one, never handed to us), and
+  the next rendezvous request the holder had already queued in shared memory names the freed
+  endpoint: a segfault inside progress (ucp_proto_rndv_send_reply). With indirect ids that
+  lookup misses and UCX drops the message, ending the matching receive "canceled". Same
+  transports (sysv, cma); one hash lookup per message. Peer error handling would also switch the
+  ids on, but costs the fast path: UCX 1.21 then requires memory invalidation support for
+  rendezvous lanes, which cma lacks, and falls back to copy-in copy-out through shared memory.
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 _MAX_PROGRESS_ROUNDS = 256
+# Applied to every UCP context (a key here overrides the UCX_ environment variable of that name);
+# see the module docstring for why. Both bindings pass it as `config_dict`.
+UCX_CONFIG = {"PROTO_INDIRECT_ID": "on"}
 
 
 class CudaPages:
@@ -75,7 +88,7 @@ class UcxxBinding(UcxBinding):
 
         self._api = libucxx
         self._array = Array
-        self._context = libucxx.UCXContext(feature_flags=(libucxx.Feature.TAG,))
+        self._context = libucxx.UCXContext(config_dict=dict(UCX_CONFIG), feature_flags=(libucxx.Feature.TAG,))
         self._worker = libucxx.UCXWorker(self._context)
         self.worker_address = bytes(self._worker.address.tobytes())
 
@@ -125,7 +138,7 @@ class UcpBinding(UcxBinding):
 
         self._api = ucx_api
         self._array = Array
-        self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+        self._context = ucx_api.UCXContext(config_dict=dict(UCX_CONFIG), feature_flags=(ucx_api.Feature.TAG,))
         self._worker = ucx_api.UCXWorker(self._context)
         self.worker_address = bytes(memoryview(self._worker.get_address()))
 
