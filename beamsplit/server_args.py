@@ -24,13 +24,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="engine seed (sampling requests without one)")
 
 
+def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV transfer (UCX)")
+    group.add_argument(
+        "--transfer-port", type=int, default=0, help="UCX control listener port on --host (0: any free port)"
+    )
+    group.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address peers use to reach this worker's UCX listener (default: --host; the host name "
+        "when --host is a wildcard)",
+    )
+
+
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:
+    add_transfer_arguments(parser)
     parser.add_argument(
         "--lease-s", type=float, default=30.0, help="how long pages stay pinned without a heartbeat"
     )
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    add_transfer_arguments(parser)
     parser.add_argument("--pull-timeout-s", type=float, default=30.0, help="bound on one prompt's pull")
 
 

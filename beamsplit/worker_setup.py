@@ -4,6 +4,7 @@ the worker's self-description, and its transfer agent with the KV pool registere
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -70,10 +71,13 @@ def worker_info(handle: EngineHandle) -> common_pb2.WorkerInfo:
     return info
 
 
-def start_transfer_agent(handle: EngineHandle, host: str) -> TransferAgent:
-    """A UCX agent with the engine's whole KV pool registered as `KV_REGION_NAME`."""
+def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> TransferAgent:
+    """A UCX agent with the engine's whole KV pool registered as `KV_REGION_NAME`.
+
+    Its control listener binds the server's --host (port --transfer-port, 0: any free one); peers
+    are told --advertise-host when given (a pod IP behind a wildcard bind)."""
     region = handle.engine.kv_region()
-    agent = UcxTransferAgent(host=host)  # the UCX control listener binds the server's address
+    agent = UcxTransferAgent(host=args.host, port=args.transfer_port, advertise_host=args.advertise_host)
     agent.register(
         KV_REGION_NAME,
         MemoryRegion(

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("context")
     metrics = ServerMetrics("context")
     handle = start_engine(engine_config_from_args(args), metrics)
-    agent = start_transfer_agent(handle, args.host)
+    agent = start_transfer_agent(handle, args)
     service = ContextService(handle.loop, agent, KV_REGION_NAME, metrics, default_lease_s=args.lease_s)
     info = worker_info(handle)
     layout = worker_pb2.PageLayout(

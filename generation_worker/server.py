@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("generation")
     metrics = ServerMetrics("generation")
     handle = start_engine(engine_config_from_args(args), metrics)
-    agent = start_transfer_agent(handle, args.host)
+    agent = start_transfer_agent(handle, args)
     info = worker_info(handle)
     layout = LocalLayout(
         region_name=KV_REGION_NAME,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import secrets
 import selectors
@@ -32,6 +33,7 @@ from transfer.agent import (
     TransferStatus,
 )
 from transfer.control import Connection, ControlMessage, MessageKind, ProtocolError
+from transfer.net_devices import interface_of
 from transfer.offer_book import OfferBook
 from transfer.pages import RegionTable, check_page_ids, plan_runs
 from transfer.ucx_binding import UcxBinding, load_binding
@@ -45,12 +47,25 @@ _CONNECT_TIMEOUT_S = 2.0
 
 
 class UcxTransferAgent(TransferAgent):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, binding: str | None = None) -> None:
-        """Listens for pulls on host:port (loopback unless told otherwise; port 0 picks a free one)."""
-        self._binding: UcxBinding = load_binding(binding)
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        binding: str | None = None,
+        advertise_host: str | None = None,
+    ) -> None:
+        """Listens for pulls on host:port (loopback unless told otherwise; port 0 picks a free one).
+
+        Peers reach this agent at `advertise_host` (default: `host`, or the host name when `host`
+        is a wildcard). A specific `host` also keeps UCX's network transports to the interface
+        holding it, unless UCX_NET_DEVICES says otherwise.
+        """
+        net_devices = None if "UCX_NET_DEVICES" in os.environ else interface_of(host)
+        self._binding: UcxBinding = load_binding(binding, net_devices)
         self._listener = socket.create_server((host, port))
         self._listener.setblocking(False)
-        advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+        is_wildcard = host in ("", "0.0.0.0", "::")
+        advertised = advertise_host or (socket.gethostname() if is_wildcard else host)
         self.address = f"{advertised}:{self._listener.getsockname()[1]}"
         self._regions = RegionTable()
         self._book = OfferBook(self.address, self._regions)

@@ -23,18 +23,35 @@ Why these choices (measured on a 2-core host, 4 MiB messages; docs/transfer.md h
   transports (sysv, cma); one hash lookup per message. Peer error handling would also switch the
   ids on, but costs the fast path: UCX 1.21 then requires memory invalidation support for
   rendezvous lanes, which cma lacks, and falls back to copy-in copy-out through shared memory.
+- ...and with UCX_ADAPTIVE_PROGRESS=n. By default a worker polls a shared-memory interface only
+  once an endpoint uses it or a wake-up arrives; the puller never opens an endpoint towards the
+  holder, and the holder's wake-up travels on an abstract unix socket, which does not cross
+  network namespaces. Two containers of one host with their own network namespaces but shared
+  IPC (Kubernetes hostIPC, docker --ipc=host) then saw every pull time out
+  (tests/integration/test_cross_host.py). Polling every interface costs nothing measurable here.
+- A caller that binds a specific address passes `net_devices` (UCX_NET_DEVICES): UCX's tcp
+  transport otherwise listens on every interface of the host, loopback included.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 _MAX_PROGRESS_ROUNDS = 256
 # Applied to every UCP context (a key here overrides the UCX_ environment variable of that name);
 # see the module docstring for why. Both bindings pass it as `config_dict`.
-UCX_CONFIG = {"PROTO_INDIRECT_ID": "on"}
+UCX_CONFIG: Mapping[str, str] = MappingProxyType({"PROTO_INDIRECT_ID": "on", "ADAPTIVE_PROGRESS": "n"})
+
+
+def context_config(net_devices: str | None) -> dict[str, str]:
+    config = dict(UCX_CONFIG)
+    if net_devices:
+        config["NET_DEVICES"] = net_devices
+    return config
 
 
 class CudaPages:
@@ -82,13 +99,15 @@ class UcxBinding(ABC):
 class UcxxBinding(UcxBinding):
     name = "ucxx"
 
-    def __init__(self) -> None:
+    def __init__(self, net_devices: str | None = None) -> None:
         from ucxx._lib import libucxx
         from ucxx._lib.arr import Array
 
         self._api = libucxx
         self._array = Array
-        self._context = libucxx.UCXContext(config_dict=dict(UCX_CONFIG), feature_flags=(libucxx.Feature.TAG,))
+        self._context = libucxx.UCXContext(
+            config_dict=context_config(net_devices), feature_flags=(libucxx.Feature.TAG,)
+        )
         self._worker = libucxx.UCXWorker(self._context)
         self.worker_address = bytes(self._worker.address.tobytes())
 
@@ -132,13 +151,15 @@ class UcpBinding(UcxBinding):
 
     name = "ucp"
 
-    def __init__(self) -> None:
+    def __init__(self, net_devices: str | None = None) -> None:
         from ucp._libs import ucx_api
         from ucp._libs.arr import Array
 
         self._api = ucx_api
         self._array = Array
-        self._context = ucx_api.UCXContext(config_dict=dict(UCX_CONFIG), feature_flags=(ucx_api.Feature.TAG,))
+        self._context = ucx_api.UCXContext(
+            config_dict=context_config(net_devices), feature_flags=(ucx_api.Feature.TAG,)
+        )
         self._worker = ucx_api.UCXWorker(self._context)
         self.worker_address = bytes(memoryview(self._worker.get_address()))
 
@@ -181,12 +202,13 @@ class UcpBinding(UcxBinding):
         self._context = None
 
 
-def load_binding(preferred: str | None = None) -> UcxBinding:
-    """The named binding, or ucxx if installed, else ucp."""
+def load_binding(preferred: str | None = None, net_devices: str | None = None) -> UcxBinding:
+    """The named binding, or ucxx if installed, else ucp; `net_devices` limits UCX's network
+    interfaces (UCX_NET_DEVICES syntax, e.g. "eth0" or "lo"), None leaves UCX's choice."""
     names = [preferred] if preferred else ["ucxx", "ucp"]
     for name in names:
         if name == "ucxx" and importlib.util.find_spec("ucxx") is not None:
-            return UcxxBinding()
+            return UcxxBinding(net_devices)
         if name == "ucp" and importlib.util.find_spec("ucp") is not None:
-            return UcpBinding()
+            return UcpBinding(net_devices)
     raise RuntimeError(f"no UCX Python binding found (tried {', '.join(str(name) for name in names)})")

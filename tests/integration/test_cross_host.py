@@ -14,8 +14,8 @@ aggregated reference:
   protocol table (UCX_PROTO_INFO=y in the workers' logs). Parity, transferred blocks, pools.
 - `shm`: UCX's own transports (sysv shared memory, cma) with UCX_ADAPTIVE_PROGRESS=n: parity, and
   the pages do not cross the veth.
-- `default`: UCX's own transports, untouched. A pull between the two namespaces never completes
-  today (strict xfail below; cause and fix in docs/cross_host.md).
+- `default`: UCX's own transports, untouched (before transfer/ set UCX_ADAPTIVE_PROGRESS=n a pull
+  between the two namespaces never completed; docs/cross_host.md).
 
 Skipped, with the reason, where network namespaces cannot be created (not root, no iproute2, an
 unprivileged container).
@@ -162,7 +162,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         for label, env, extra_generation, extra_coordinator in (
             ("tcp", TCP_ENV, [], []),
             ("shm", SHM_ENV, [], []),
-            # Today's default-transport pull hangs: fail it fast and once (see the xfail test).
+            # Should the default-transport pull hang again, fail it fast and once.
             ("default", QUIET_UCX, ["--pull-timeout-s", "3"], ["--max-attempts", "1"]),
         ):
             context = start(group, f"context-{label}", pair.ns_a, "context", a, engine, env)
@@ -329,12 +329,6 @@ def test_shared_memory_pull_across_namespaces_without_adaptive_progress(deployme
     assert_pools_empty(deployment, [variant.context, variant.generation])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="UCX's tcp transport listens on every interface of the namespace, lo included: transfer/ does "
-    "not restrict UCX to --host's interface (UCX_NET_DEVICES); docs/cross_host.md",
-    raises=AssertionError,
-)
 def test_nothing_listens_outside_the_worker_address(deployment: Deployment) -> None:
     # Every TCP listener in namespace A: the two context workers' gRPC, /metrics and transfer
     # listeners, and whatever UCX opens itself.
@@ -342,13 +336,6 @@ def test_nothing_listens_outside_the_worker_address(deployment: Deployment) -> N
     assert {address for address, _ in listening} == {deployment.pair.address_a}, sorted(listening)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="UCX's default transports between two network namespaces of one host: the puller's shared "
-    "memory interface is never polled (adaptive progress waits for a wake-up sent on an abstract unix "
-    "socket, which does not cross network namespaces), the pull ends TIMED_OUT; docs/cross_host.md",
-)
 def test_default_transports_across_namespaces(deployment: Deployment) -> None:
     variant = deployment.default
     token_ids = prompt_tokens(67, seed=99)
