@@ -6,6 +6,7 @@ the tail of its log.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,11 +22,45 @@ from beamsplit.server_common import wait_until_healthy
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A port free right now (the kernel's choice); a later bind races only with other binders."""
+class PortPicker:
+    """Hands out distinct ports below the kernel's ephemeral range that are free when handed out.
+
+    A port the kernel picks (a bind to port 0) comes from the ephemeral range, where any process
+    may take it between our probe and the server's bind, and UCX's tcp transport binds listeners
+    there all the time: a server once died at start with "Address already in use". Below that
+    range only explicit binds compete, and this picker never hands out the same port twice.
+    """
+
+    def __init__(self, host: str = HOST, span: int = 12000) -> None:
+        self._host = host
+        low = _ephemeral_port_low()
+        self._candidates = range(max(1024, low - span), low)
+        self._issued: set[int] = set()
+        self._random = random.Random()
+
+    def pick(self) -> int:
+        for _ in range(200):
+            port = self._random.choice(self._candidates)
+            if port not in self._issued and _is_free(self._host, port):
+                self._issued.add(port)
+                return port
+        raise RuntimeError(f"no free port found in {self._candidates}")
+
+
+def _ephemeral_port_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -66,11 +101,12 @@ class ProcessGroup:
 
     log_dir: Path
     processes: list[ServerProcess] = field(default_factory=list)
+    ports: PortPicker = field(default_factory=PortPicker)
 
     def start(
         self, name: str, role: str, arguments: list[str], env: dict[str, str] | None = None
     ) -> ServerProcess:
-        port, metrics_port = free_port(), free_port()
+        port, metrics_port = self.ports.pick(), self.ports.pick()
         command = [
             sys.executable, "-m", "beamsplit.cli", "serve", role,
             "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_port), *arguments,

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from beamsplit.launcher import free_port
+from beamsplit.launcher import PortPicker
 from beamsplit.local_cluster import DEFAULT_ENGINE_ARGUMENTS
 from tests.netns_helpers import (
     Bridge,
@@ -51,6 +51,7 @@ MAX_NEW_TOKENS = 6
 SCORE_TOLERANCE = 1e-9
 STARTUP_TIMEOUT_S = 120.0
 LOOPBACK = "127.0.0.1"
+PORTS = PortPicker()  # one per test run: ports are never handed out twice
 SERVE = [sys.executable, "-m", "beamsplit.cli", "serve"]
 QUIET_UCX = {"UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 TCP_ENV = {"UCX_TLS": "tcp", **QUIET_UCX}
@@ -118,7 +119,8 @@ def start(
     arguments: list[str],
     env: dict[str, str] | None = None,
 ) -> Server:
-    port, metrics_port = free_port(), free_port()  # free in the root namespace too (see the bind test)
+    # Free in the root namespace too (the bind test needs that), and below the ephemeral range.
+    port, metrics_port = PORTS.pick(), PORTS.pick()
     argv = [
         *SERVE,
         role,
