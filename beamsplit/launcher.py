@@ -13,8 +13,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from beamsplit.metrics import read_gauge
 from beamsplit.server_common import wait_until_healthy
@@ -95,6 +97,33 @@ class ServerProcess:
             return read_gauge(response.read().decode(), name)
 
 
+class StoppableProcess(Protocol):
+    name: str
+    process: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int: ...
+
+    def is_alive(self) -> bool: ...
+
+
+def stop_processes(processes: Sequence[StoppableProcess], timeout_s: float = 15.0) -> dict[str, int | None]:
+    """SIGTERM to every live process (reverse start order), then SIGKILL to any still running after
+    `timeout_s`; exit codes by name."""
+    for server in reversed(processes):
+        if server.is_alive():
+            os.kill(server.pid, signal.SIGTERM)
+    codes: dict[str, int | None] = {}
+    deadline = time.monotonic() + timeout_s
+    for server in reversed(processes):
+        try:
+            codes[server.name] = server.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.kill(server.pid, signal.SIGKILL)
+            codes[server.name] = server.process.wait(timeout=10.0)
+    return codes
+
+
 @dataclass
 class ProcessGroup:
     """Processes started together and stopped together (SIGTERM, then SIGKILL after a bound)."""
@@ -149,15 +178,4 @@ class ProcessGroup:
 
     def stop_all(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """Exit codes by name; stops in reverse start order (the front door first)."""
-        for server in reversed(self.processes):
-            if server.is_alive():
-                os.kill(server.pid, signal.SIGTERM)
-        codes: dict[str, int | None] = {}
-        deadline = time.monotonic() + timeout_s
-        for server in reversed(self.processes):
-            try:
-                codes[server.name] = server.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.kill(server.pid, signal.SIGKILL)
-                codes[server.name] = server.process.wait(timeout=10.0)
-        return codes
+        return stop_processes(self.processes, timeout_s)

@@ -25,12 +25,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from beamsplit.launcher import stop_processes
 
 ADDRESS_A = "10.231.7.1"
 ADDRESS_B = "10.231.7.2"
@@ -192,18 +193,7 @@ class NsProcessGroup:
         return started
 
     def stop_all(self, timeout_s: float = 15.0) -> dict[str, int | None]:
-        for server in reversed(self.processes):
-            if server.is_alive():
-                os.kill(server.pid, signal.SIGTERM)
-        codes: dict[str, int | None] = {}
-        deadline = time.monotonic() + timeout_s
-        for server in reversed(self.processes):
-            try:
-                codes[server.name] = server.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.kill(server.pid, signal.SIGKILL)
-                codes[server.name] = server.process.wait(timeout=10.0)
-        return codes
+        return stop_processes(self.processes, timeout_s)
 
 
 def listening_tcp_addresses(pid: int) -> list[tuple[str, int]]:
