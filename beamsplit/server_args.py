@@ -35,6 +35,15 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="address peers use to reach this worker's UCX listener (default: --host; the host name "
         "when --host is a wildcard)",
     )
+    group.add_argument(
+        "--transfer-lanes",
+        type=int,
+        default=None,
+        choices=range(1, 17),
+        metavar="{1..16}",
+        help="threads that receive one pull in parallel, each with its own UCX worker (default: 2, 1 on a "
+        "single-core host); on one host the receiver does the copy, so lanes use more cores",
+    )
 
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:

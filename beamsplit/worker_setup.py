@@ -77,7 +77,12 @@ def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> Tran
     Its control listener binds the server's --host (port --transfer-port, 0: any free one); peers
     are told --advertise-host when given (a pod IP behind a wildcard bind)."""
     region = handle.engine.kv_region()
-    agent = UcxTransferAgent(host=args.host, port=args.transfer_port, advertise_host=args.advertise_host)
+    agent = UcxTransferAgent(
+        host=args.host,
+        port=args.transfer_port,
+        advertise_host=args.advertise_host,
+        lanes=args.transfer_lanes,
+    )
     agent.register(
         KV_REGION_NAME,
         MemoryRegion(

@@ -8,18 +8,29 @@ pages are adjacent at both ends and every page is its own message (the worst cas
 fragmented pool). For each case, in the same run and with the same UCX transports (the environment
 is shared), the references are `ucx_perftest -t tag_bw` with the same message size and count,
 NIXL (UCX backend, one-sided READ of the same pages) and a bare UCX loop over the same pages
-(same_pages_ucx_gbps: what UCX itself reaches on this memory). gbps is 10^9 bytes per second.
+(same_pages_ucx_gbps: what UCX itself reaches on this memory, from one thread). `one_lane_gbps` is
+our agent limited to one receive lane, measured in the same run (`lanes` is what `gbps` used).
+`cma_limit_gbps` is the kernel alone on the same pages: `process_vm_readv`, the call UCX's cma
+transport makes, from as many threads as we have lanes, one call per page, no UCX (ucx_perftest
+instead re-reads one buffer that stays in the CPU cache, which distinct pages cannot).
+gbps is 10^9 bytes per second.
+
+Nothing spins while it is not measured: every thread of both processes is idle between
+measurements, so each one gets both cores (a NIXL progress thread left running in the holder took
+one core from every measurement, ucx_perftest's included, in earlier versions of this script).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +43,10 @@ PROMPT_LENS = (512, 4096, 16384)
 QUICK_CASES = ((32, 512), (32, 4096), (128, 4096))
 POOL_BYTES = max(PROMPT_LENS) * TOKEN_BYTES  # 2 GiB per side
 QUICK_POOL_BYTES = 4096 * TOKEN_BYTES
+# NIXL's UCX backend defaults to peer error handling, which on one host keeps UCX off cma (as for
+# our agent, docs/transfer.md), and then needs a progress thread on the target, which spins. Without
+# it, a READ is a cma zero-copy get that the target takes no part in.
+NIXL_UCX_PARAMS = {"ucx_error_handling_mode": "none", "num_workers": "1"}
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -58,8 +73,8 @@ def serve(pool_bytes: int) -> None:
             f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
         )
     raw = RawUcx()
-    # The target needs its own progress (connection wire-up); the initiator progresses as it polls.
-    nixl = nixl_agent("holder", nixl_agent_config(backends=["UCX"]))
+    nixl = nixl_agent("holder", nixl_agent_config(enable_prog_thread=False, backends=[]))
+    nixl.create_backend("UCX", NIXL_UCX_PARAMS)
     nixl.register_memory([(pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
     answer(
         {
@@ -141,6 +156,52 @@ class RawUcx:
         holder.read()
         self.binding.close_endpoint(group)
         return elapsed
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def cma_read_seconds(
+    holder: Holder, pool: np.ndarray, page_bytes: int, src: list[int], dst: list[int], num_threads: int
+) -> float:
+    """The same pages read with process_vm_readv alone, split over num_threads threads as the
+    agent splits a pull over its lanes (ctypes releases the GIL during the call)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    read = libc.process_vm_readv
+    read.restype = ctypes.c_ssize_t
+    read.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    remote_base, local_base, pid = int(holder.info["pool_address"]), pool.ctypes.data, holder.process.pid
+    errors: list[str] = []
+
+    def copy(pairs: list[tuple[int, int]]) -> None:
+        local, remote = _IoVec(0, page_bytes), _IoVec(0, page_bytes)
+        for src_page, dst_page in pairs:
+            local.base, remote.base = local_base + dst_page * page_bytes, remote_base + src_page * page_bytes
+            if read(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != page_bytes:
+                errors.append(os.strerror(ctypes.get_errno()))
+                return
+
+    pairs = list(zip(src, dst, strict=True))
+    threads = [
+        threading.Thread(target=copy, args=(pairs[index::num_threads],)) for index in range(num_threads)
+    ]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"process_vm_readv failed: {errors[0]}")
+    return elapsed
 
 
 class Holder:
@@ -238,7 +299,8 @@ class NixlReader:
     def __init__(self, local_address: int, holder_info: dict[str, Any]) -> None:
         from nixl_cu12 import nixl_agent, nixl_agent_config
 
-        self._agent = nixl_agent("puller", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self._agent = nixl_agent("puller", nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self._agent.create_backend("UCX", NIXL_UCX_PARAMS)
         self._local_address = local_address
         self._remote_address = int(holder_info["pool_address"])
         self._remote_name = self._agent.add_remote_agent(bytes.fromhex(holder_info["nixl_metadata"]))
@@ -268,7 +330,7 @@ class NixlReader:
 
 # ---- the run -----------------------------------------------------------------------------------
 def run_cases(quick: bool) -> list[dict[str, Any]]:
-    from transfer import MemoryRegion, TransferStatus, UcxTransferAgent
+    from transfer import MemoryRegion, UcxTransferAgent
 
     cases = (
         QUICK_CASES if quick else tuple((block, prompt) for block in BLOCK_SIZES for prompt in PROMPT_LENS)
@@ -280,13 +342,15 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
     pool.fill(0)  # touch every page now, as a serving pool is, so first-touch faults are not timed
     holder = Holder(pool_bytes)
     agent = UcxTransferAgent()
+    one_lane = UcxTransferAgent(lanes=1)
     results = []
     try:
         for block_size in BLOCK_SIZES:
             page_bytes = block_size * TOKEN_BYTES
-            agent.register(
-                f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
-            )
+            for puller in (agent, one_lane):
+                puller.register(
+                    f"kv{block_size}", MemoryRegion(pool.ctypes.data, page_bytes, pool_bytes // page_bytes)
+                )
         raw = RawUcx()
         nixl = NixlReader(pool.ctypes.data, holder.info)
         nixl.register(pool_bytes)
@@ -294,56 +358,68 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
             page_bytes = block_size * TOKEN_BYTES
             num_pages = prompt_len // block_size
             src, dst = list(range(num_pages)), list(range(num_pages - 1, -1, -1))
-            seconds = []
             # Short pulls get more tries: one scheduling hiccup on a shared host is a large share of 15 ms.
             num_tries = max(repeats, min(8, (1 << 30) // (num_pages * page_bytes)))
-            for _ in range(num_tries):
-                offer = holder.offer(block_size, src)
-                region = f"kv{block_size}"
-                start = time.perf_counter()
-                handle = agent.pull(
-                    holder.info["address"],
-                    offer["transfer_id"],
-                    offer["secret"],
-                    region,
-                    src,
-                    region,
-                    dst,
-                    60.0,
-                )
-                if handle.wait(60.0) is not TransferStatus.DONE:
-                    raise RuntimeError(f"pull ended {handle}")
-                seconds.append(time.perf_counter() - start)
-            pages = pool.reshape(-1, page_bytes)
-            if not np.array_equal(pages[dst], expected.reshape(-1, page_bytes)[src]):
-                raise RuntimeError("pulled pages differ from the holder's")
+            seconds: dict[Any, list[float]] = {agent: [], one_lane: []}
+            for attempt in range(num_tries):
+                for puller in (agent, one_lane):  # interleaved: both see the same host
+                    if attempt == 0:
+                        pool.fill(0)
+                    seconds[puller].append(pull_seconds(puller, holder, block_size, src, dst))
+                    pages = pool.reshape(-1, page_bytes)
+                    if attempt == 0 and not np.array_equal(pages[dst], expected.reshape(-1, page_bytes)[src]):
+                        raise RuntimeError("pulled pages differ from the holder's")
             nixl_seconds = min(nixl.read_seconds(page_bytes, src, dst) for _ in range(num_tries))
+            cma_seconds = min(
+                cma_read_seconds(holder, pool, page_bytes, src, dst, agent.num_lanes)
+                for _ in range(num_tries)
+            )
             raw_seconds = min(
                 raw.receive_seconds(holder, block_size, pool, src, dst) for _ in range(num_tries)
             )
             total = num_pages * page_bytes
             # Best of as many runs as ours: both sides get the same chance on a noisy shared host.
             reference = max(perftest_gbps(page_bytes, num_pages) for _ in range(repeats))
-            gbps = total / min(seconds) / 1e9
+            best = min(seconds[agent])
+            gbps = total / best / 1e9
             results.append(
                 {
                     "case": f"block{block_size}_prompt{prompt_len}",
                     "message_bytes": page_bytes,
                     "num_messages": num_pages,
                     "bytes": total,
-                    "seconds": round(min(seconds), 6),
+                    "seconds": round(best, 6),
                     "gbps": round(gbps, 3),
                     "reference_gbps": round(reference, 3),
                     "ratio": round(gbps / reference, 3),
+                    "lanes": agent.num_lanes,
+                    "one_lane_gbps": round(total / min(seconds[one_lane]) / 1e9, 3),
                     "nixl_gbps": round(total / nixl_seconds / 1e9, 3),
                     "same_pages_ucx_gbps": round(total / raw_seconds / 1e9, 3),
+                    "cma_limit_gbps": round(total / cma_seconds / 1e9, 3),
                 }
             )
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     finally:
         agent.close()
+        one_lane.close()
         holder.stop()
     return results
+
+
+def pull_seconds(agent: Any, holder: Holder, block_size: int, src: list[int], dst: list[int]) -> float:
+    """From pull() to DONE, control round trip included."""
+    from transfer import TransferStatus
+
+    offer = holder.offer(block_size, src)
+    region = f"kv{block_size}"
+    start = time.perf_counter()
+    handle = agent.pull(
+        holder.info["address"], offer["transfer_id"], offer["secret"], region, src, region, dst, 60.0
+    )
+    if handle.wait(60.0) is not TransferStatus.DONE:
+        raise RuntimeError(f"pull ended {handle}")
+    return time.perf_counter() - start
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -356,9 +432,11 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     sizes = [result["message_bytes"] / (1 << 20) for result in results]
     for key, label, marker in (
         ("gbps", "beamsplit UcxTransferAgent", "o"),
+        ("one_lane_gbps", "beamsplit, one receive lane", "."),
         ("reference_gbps", "ucx_perftest tag_bw", "s"),
         ("nixl_gbps", "NIXL READ (UCX)", "^"),
         ("same_pages_ucx_gbps", "bare UCX loop, same pages", "x"),
+        ("cma_limit_gbps", "process_vm_readv alone, same pages", "+"),
     ):
         axes.scatter(sizes, [result[key] for result in results], label=label, marker=marker)
     axes.set_xscale("log", base=2)

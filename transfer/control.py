@@ -5,8 +5,8 @@ the socket) is seen at once as end of stream. Frames are a 4-byte big-endian len
 
     puller                                   holder
     PULL(id, secret, region, runs, tag_base,  ->  checks secret, region, pages; claims the offer
-         worker_address, timeout_s, checksum)
-                                                 sends one tagged message per run
+         lane_addresses, run_lanes,                sends one tagged message per run, run i to the
+         timeout_s, checksum)                      UCX worker lane_addresses[run_lanes[i]]
                                              <-  ACCEPT(worker_address, checksum_value) or ERROR(error)
     posts one receive per run into its pages
     all receives complete (checksum checked):
@@ -42,7 +42,9 @@ class ControlMessage:
     region: str = ""
     runs: list[tuple[int, int]] = field(default_factory=list)  # (first source page, num pages)
     tag_base: int = 0  # run i travels with UCX tag tag_base + i
-    worker_address: str = ""  # hex of the sender's UCX worker address
+    worker_address: str = ""  # hex of the sender's UCX worker address (ACCEPT)
+    lane_addresses: list[str] = field(default_factory=list)  # PULL: hex of the receiving workers
+    run_lanes: list[int] = field(default_factory=list)  # PULL: run i goes to lane_addresses[run_lanes[i]]
     timeout_s: float = 0.0
     checksum: bool = False
     checksum_value: int | None = None

@@ -1,11 +1,18 @@
 """UcxTransferAgent: pulls pages between processes with UCX tagged messages, zero-copy at both ends.
 
-One thread owns everything that moves: the control listener and connections (a selector), the UCX
-worker (it calls progress), the sessions and every deadline. Public methods are thread-safe: they
-validate, then hand the loop a command and wake it; `revoke`, `cancel` and `close` wait (bounded)
-until the loop has done it, so stats are exact when they return. The loop spins while UCX
-requests are posted (UCX moves data only inside progress calls); otherwise it sleeps in the
-selector, woken by a control message, a command or a 5 ms tick that drives the deadlines.
+One thread owns the control listener and connections (a selector), the UCX worker the holder
+sends from (it calls progress), the sessions and every deadline. Pulls receive on the agent's
+receive lanes (transfer/ucx_lanes.py): more UCX workers, each progressed by a thread of its own, so
+that the copies of one pull run on several cores. Public methods are thread-safe: they validate,
+then hand the loop a command and wake it; `revoke`, `cancel` and `close` wait (bounded) until the
+loop has done it, so stats are exact when they return.
+
+While sends are posted the loop calls progress every 100 us instead of spinning: a holder's sends
+need progress only to push queued rendezvous requests and to see the puller's acknowledgements,
+both of which can wait that long, while the copy itself runs in the puller's lanes and needs the
+cores (on a 2-core host a spinning holder took one from them). Otherwise the loop sleeps in the
+selector, woken by a control message, a command, a lane that finished a job, or a 5 ms tick that
+drives the deadlines.
 """
 
 from __future__ import annotations
@@ -38,12 +45,18 @@ from transfer.offer_book import OfferBook
 from transfer.pages import RegionTable, check_page_ids, plan_runs
 from transfer.ucx_binding import UcxBinding, load_binding
 from transfer.ucx_endpoints import EndpointPool
+from transfer.ucx_lanes import ReceiveLane
 from transfer.ucx_sessions import HolderSession, PullSession, Session
 
 _logger = logging.getLogger(__name__)
 _IDLE_TICK_S = 0.005
+_SEND_POLL_S = 0.0001
 _COMMAND_WAIT_S = 5.0
 _CONNECT_TIMEOUT_S = 2.0
+
+
+def default_lanes() -> int:
+    return min(2, os.cpu_count() or 1)
 
 
 class UcxTransferAgent(TransferAgent):
@@ -53,15 +66,24 @@ class UcxTransferAgent(TransferAgent):
         port: int = 0,
         binding: str | None = None,
         advertise_host: str | None = None,
+        lanes: int | None = None,
     ) -> None:
         """Listens for pulls on host:port (loopback unless told otherwise; port 0 picks a free one).
 
         Peers reach this agent at `advertise_host` (default: `host`, or the host name when `host`
         is a wildcard). A specific `host` also keeps UCX's network transports to the interface
-        holding it, unless UCX_NET_DEVICES says otherwise.
+        holding it, unless UCX_NET_DEVICES says otherwise. `lanes` is the number of receive lanes
+        (threads copying one pull in parallel); default 2, or 1 on a single-core host.
         """
+        num_lanes = default_lanes() if lanes is None else lanes
+        if not 1 <= num_lanes <= 16:
+            raise ValueError(f"lanes must be between 1 and 16, got {num_lanes}")
         net_devices = None if "UCX_NET_DEVICES" in os.environ else interface_of(host)
         self._binding: UcxBinding = load_binding(binding, net_devices)
+        self._lanes = [
+            ReceiveLane(load_binding(binding, net_devices), f"ucx-lane-{index}") for index in range(num_lanes)
+        ]
+        self.num_lanes = num_lanes
         self._listener = socket.create_server((host, port))
         self._listener.setblocking(False)
         is_wildcard = host in ("", "0.0.0.0", "::")
@@ -130,8 +152,7 @@ class UcxTransferAgent(TransferAgent):
             secret=secret,
             region=src_region,
             runs=[(run.src_first, run.num_pages) for run in runs],
-            tag_base=next(self._tags) << 32,  # tags must be unique on this worker; run index below
-            worker_address=self._binding.worker_address.hex(),
+            tag_base=next(self._tags) << 32,  # tags must be unique per worker; run index below
             timeout_s=timeout_s,
             checksum=checksum,
         )
@@ -140,6 +161,10 @@ class UcxTransferAgent(TransferAgent):
             lambda: self._start_pull(peer_address, handle, destination, runs, checksum, deadline, message)
         )
         return handle
+
+    def lane_bytes(self) -> list[int]:
+        """Bytes each receive lane has received for pulls that completed (for tests and metrics)."""
+        return [lane.bytes_received for lane in self._lanes]
 
     def stats(self) -> AgentStats:
         with self._lock:
@@ -172,10 +197,13 @@ class UcxTransferAgent(TransferAgent):
 
     def _post(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             self._wake_writer.send(b"\0")
         except OSError:
-            pass  # the loop has stopped; the command will never run, callers' waits are bounded
+            pass  # the loop has stopped (a posted command will never run; callers' waits are bounded)
 
     def _call_in_loop(self, command: Callable[[], None]) -> None:
         if threading.current_thread() is self._thread:
@@ -196,10 +224,12 @@ class UcxTransferAgent(TransferAgent):
     def _run(self) -> None:
         while not (self._is_closed and self._commands.empty()):
             with self._lock:
-                # UCX moves data only inside progress calls: spin while requests are posted.
-                is_busy = any(s.requests.has_pending and not s.is_ended for s in self._sessions.values())
+                # UCX moves data only inside progress calls: poll often while sends are posted.
+                is_sending = any(session.has_posted_sends for session in self._sessions.values())
             try:
-                for key, _ in self._selector.select(0 if is_busy else _IDLE_TICK_S):
+                if is_sending:
+                    time.sleep(_SEND_POLL_S)
+                for key, _ in self._selector.select(0 if is_sending else _IDLE_TICK_S):
                     self._on_readable(key)
                 while not self._commands.empty():
                     self._commands.get()()
@@ -207,6 +237,8 @@ class UcxTransferAgent(TransferAgent):
                 self._poll_sessions(time.monotonic())
             except Exception:  # a bug must not stop the loop: every other transfer depends on it
                 _logger.exception("transfer agent %s: error in the event loop", self.address)
+        for lane in self._lanes:
+            lane.close()
         self._selector.close()
         self._listener.close()
         self._wake_reader.close()
@@ -316,7 +348,16 @@ class UcxTransferAgent(TransferAgent):
             handle._finish(TransferStatus.FAILED, f"cannot connect to holder {peer_address}: {error}")
             return
         session = PullSession(
-            self._binding, Connection(sock), self._endpoints, handle, destination, runs, checksum, deadline
+            self._binding,
+            Connection(sock),
+            self._endpoints,
+            handle,
+            destination,
+            runs,
+            checksum,
+            deadline,
+            self._lanes,
+            self._wake,
         )
         self._add_session(session)
         session.start(message)

@@ -35,6 +35,7 @@ Why these choices (measured on a 2-core host, 4 MiB messages; docs/transfer.md h
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -200,6 +201,43 @@ class UcpBinding(UcxBinding):
     def close(self) -> None:
         self._worker = None
         self._context = None
+
+
+class UcxRequests:
+    """Requests of one session, kept with the buffers they point into until they complete.
+
+    Polled from the front, stopping at the first one still running: messages from one peer
+    complete roughly in order, so a pull of N pages costs O(N) checks in all instead of O(N) per
+    loop turn (1024 pending pages made the loop itself the bottleneck). A failure further back is
+    seen once the ones before it are done; the pull's deadline bounds the wait either way.
+    """
+
+    def __init__(self, binding: UcxBinding) -> None:
+        self._binding = binding
+        self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
+        self.error: str | None = None
+
+    def add(self, request: Any, buffer: Any) -> None:
+        self._pending.append((request, buffer))
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def poll(self) -> bool:
+        """True once every request has completed; the first failure is kept in `error`."""
+        while self._pending:
+            completed, error = self._binding.request_state(self._pending[0][0])
+            if not completed:
+                return False
+            self._pending.popleft()
+            if error is not None and self.error is None:
+                self.error = error
+        return True
 
 
 def load_binding(preferred: str | None = None, net_devices: str | None = None) -> UcxBinding:

@@ -57,10 +57,6 @@ class EndpointPool:
                 del self._current[pooled.worker_address]
             self.close(endpoint)
 
-    def open_receive_group(self) -> Any:
-        """An endpoint to this worker itself, used only to group (and cancel) one pull's receives."""
-        return self._binding.connect(self._binding.worker_address)
-
     def close(self, endpoint: Any) -> None:
         """Closes now (cancelling its requests) and keeps a reference while UCX finishes."""
         self._binding.close_endpoint(endpoint)

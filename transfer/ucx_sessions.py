@@ -1,13 +1,15 @@
 """One pull seen from each side, as a small state machine run by the agent's event-loop thread.
 
-Invariant on both sides: a session's UCX endpoint is closed (cancelling every request still
-posted on it) before the session reports its end, so once a handle or an offer has ended no byte
-of it can still land in, or be read from, the pool.
+Invariant on both sides: a session's UCX endpoints are closed (cancelling every request still
+posted on them; on the puller, by the receive lanes, waited for) before the session reports its
+end, so once a handle or an offer has ended no byte of it can still land in, or be read from, the
+pool.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -15,12 +17,16 @@ from transfer.agent import MemoryRegion, PullHandle, TransferError, TransferStat
 from transfer.control import Connection, ControlMessage, MessageKind
 from transfer.offer_book import OfferBook, OfferEntry
 from transfer.pages import PageRun, checksum_runs, host_view
-from transfer.ucx_binding import CudaPages, UcxBinding
+from transfer.ucx_binding import CudaPages, UcxBinding, UcxRequests
 from transfer.ucx_endpoints import EndpointPool
+from transfer.ucx_lanes import ReceiveJob, ReceiveLane, assign_lanes
+
+_logger = logging.getLogger(__name__)
 
 _SEND_WINDOW = 32
 _MAX_PAGES_PER_PULL = 1 << 22  # refuse absurd page counts before expanding the runs
 _PULL_WAIT_S = 10.0  # a connection that sends no PULL within this is dropped
+_MAX_LANES = 16
 
 
 def page_buffer(region: MemoryRegion, first_page: int, num_pages: int) -> Any:
@@ -30,65 +36,28 @@ def page_buffer(region: MemoryRegion, first_page: int, num_pages: int) -> Any:
     return CudaPages(region.address + first_page * region.page_bytes, num_pages * region.page_bytes)
 
 
-class UcxRequests:
-    """Requests of one session, kept with the buffers they point into until they complete.
-
-    Polled from the front, stopping at the first one still running: messages from one peer
-    complete roughly in order, so a pull of N pages costs O(N) checks in all instead of O(N) per
-    loop turn (1024 pending pages made the loop itself the bottleneck). A failure further back is
-    seen once the ones before it are done; the pull's deadline bounds the wait either way.
-    """
-
-    def __init__(self, binding: UcxBinding) -> None:
-        self._binding = binding
-        self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
-        self.error: str | None = None
-
-    def add(self, request: Any, buffer: Any) -> None:
-        self._pending.append((request, buffer))
-
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
-    def poll(self) -> bool:
-        """True once every request has completed; the first failure is kept in `error`."""
-        while self._pending:
-            completed, error = self._binding.request_state(self._pending[0][0])
-            if not completed:
-                return False
-            self._pending.popleft()
-            if error is not None and self.error is None:
-                self.error = error
-        return True
-
-
 class Session:
-    """What both sides share: the control connection, the endpoint, the requests, the end."""
+    """What both sides share: the control connection, the UCX work, the end."""
 
     def __init__(self, binding: UcxBinding, connection: Connection, endpoints: EndpointPool) -> None:
         self.binding = binding
         self.connection = connection
         self.endpoints = endpoints
-        self.endpoint: Any = None
-        self.requests = UcxRequests(binding)
         self.is_ended = False
+
+    @property
+    def has_posted_sends(self) -> bool:
+        return False
 
     def release(self, notice: ControlMessage | None, is_clean: bool = False) -> None:
         """Ends UCX work, tells the peer why (if it does not know), leaves the socket to the agent."""
         self.is_ended = True
-        if self.endpoint is not None:
-            self._drop_endpoint(is_clean)
-            self.endpoint = None
+        self._stop_ucx(is_clean)
         if notice is not None:
             self.connection.send(notice)
         # The agent closes the socket once it is out of its selector, so the fd is not reused early.
 
-    def _drop_endpoint(self, is_clean: bool) -> None:
+    def _stop_ucx(self, is_clean: bool) -> None:
         raise NotImplementedError
 
 
@@ -106,9 +75,12 @@ class HolderSession(Session):
         super().__init__(binding, connection, endpoints)
         self._book = book
         self._regions = regions
+        self.requests = UcxRequests(binding)
         self.transfer_id: str | None = None
         self._source: MemoryRegion | None = None
         self._runs: list[PageRun] = []
+        self._run_lanes: list[int] = []
+        self._lane_endpoints: list[Any] = []
         self._tag_base = 0
         self._num_posted = 0
         self._opened_at = time.monotonic()
@@ -125,8 +97,14 @@ class HolderSession(Session):
 
     def _start(self, message: ControlMessage) -> None:
         counts = [count for _, count in message.runs]
+        error = None
         if not counts or min(counts) < 1 or sum(counts) > _MAX_PAGES_PER_PULL:
             error = f"malformed page runs in the pull of transfer {message.transfer_id}"
+        elif not 1 <= len(message.lane_addresses) <= _MAX_LANES or len(message.run_lanes) != len(counts):
+            error = f"malformed lanes in the pull of transfer {message.transfer_id}"
+        elif not all(0 <= lane < len(message.lane_addresses) for lane in message.run_lanes):
+            error = f"a run names a lane that does not exist in the pull of transfer {message.transfer_id}"
+        if error is not None:
             self.release(ControlMessage(MessageKind.ERROR, message.transfer_id, error=error))
             return
         page_ids = [first + offset for first, count in message.runs for offset in range(count)]
@@ -147,11 +125,13 @@ class HolderSession(Session):
         if message.checksum and region.device == "cpu":
             checksum_value = checksum_runs(region, runs, use_src=True)
         try:
-            self.endpoint = self.endpoints.acquire(bytes.fromhex(message.worker_address))
+            for address in message.lane_addresses:
+                self._lane_endpoints.append(self.endpoints.acquire(bytes.fromhex(address)))
         except Exception as error:  # a bad or unreachable address from the peer
             self.end(TransferStatus.FAILED, f"cannot reach the puller's UCX worker: {error}", notify=True)
             return
         self._source, self._runs, self._tag_base = region, runs, message.tag_base
+        self._run_lanes = list(message.run_lanes)
         self._post_sends()
         accept = ControlMessage(
             MessageKind.ACCEPT,
@@ -183,7 +163,8 @@ class HolderSession(Session):
             run = self._runs[self._num_posted]
             buffer = page_buffer(self._source, run.src_first, run.num_pages)
             tag = self._tag_base + self._num_posted
-            self.requests.add(self.binding.send(self.endpoint, buffer, tag), buffer)
+            endpoint = self._lane_endpoints[self._run_lanes[self._num_posted]]
+            self.requests.add(self.binding.send(endpoint, buffer, tag), buffer)
             self._num_posted += 1
 
     def on_end_of_stream(self) -> None:
@@ -208,18 +189,25 @@ class HolderSession(Session):
         if self.transfer_id is not None:
             self._book.end(self.transfer_id, status)
 
-    def _drop_endpoint(self, is_clean: bool) -> None:
-        self.endpoints.release(self.endpoint, is_clean)
+    @property
+    def has_posted_sends(self) -> bool:
+        return self.requests.has_pending and not self.is_ended
+
+    def _stop_ucx(self, is_clean: bool) -> None:
+        for endpoint in self._lane_endpoints:
+            self.endpoints.release(endpoint, is_clean)
+        self._lane_endpoints = []
 
 
 class PullSession(Session):
     """Runs one pull from this side: receives posted, PULL sent, DONE once ACCEPTed and all landed.
 
-    Receives are posted before the PULL goes out, so data flows the moment the holder sends. They
-    are posted through an endpoint of this pull's own, to this worker itself: UCX matches tagged
-    receives per worker, the endpoint only groups them, and closing it cancels exactly this pull's
-    receives. (Closing an endpoint to the holder instead would also tear down the holder's
-    endpoint paired with it, failing other pulls; measured with ucxx 0.52.)
+    The runs are spread over the agent's receive lanes (transfer/ucx_lanes.py), balanced by bytes.
+    Receives are handed to the lanes before the PULL goes out, so data flows the moment the holder
+    sends. Each lane posts them through an endpoint of this pull's own, to its own worker: UCX
+    matches tagged receives per worker, the endpoint only groups them, and closing it cancels
+    exactly this pull's receives. (Closing an endpoint to the holder instead would also tear down
+    the holder's endpoint paired with it, failing other pulls; measured with ucxx 0.52.)
     """
 
     def __init__(
@@ -232,8 +220,13 @@ class PullSession(Session):
         runs: list[PageRun],
         checksum: bool,
         deadline: float,
+        lanes: list[ReceiveLane],
+        wake: Any,
     ) -> None:
         super().__init__(binding, connection, endpoints)
+        self._lanes = lanes
+        self._wake = wake  # called by a lane thread when a job of this pull has finished
+        self._jobs: list[tuple[ReceiveLane, ReceiveJob]] = []
         self.handle = handle
         self._destination = destination
         self._runs = runs
@@ -243,10 +236,24 @@ class PullSession(Session):
         self._expected_checksum: int | None = None
 
     def start(self, message: ControlMessage) -> None:
-        self.endpoint = self.endpoints.open_receive_group()
-        for index, run in enumerate(self._runs):
+        """Hands the receives to the lanes, then sends `message` (a PULL without lanes yet)."""
+        run_lanes = assign_lanes([run.num_pages for run in self._runs], len(self._lanes))
+        used = sorted(set(run_lanes))
+        items: dict[int, list[tuple[Any, int]]] = {lane: [] for lane in used}
+        num_bytes = dict.fromkeys(used, 0)
+        for index, (run, lane) in enumerate(zip(self._runs, run_lanes, strict=True)):
             buffer = page_buffer(self._destination, run.dst_first, run.num_pages)
-            self.requests.add(self.binding.receive(self.endpoint, buffer, message.tag_base + index), buffer)
+            items[lane].append((buffer, message.tag_base + index))
+            num_bytes[lane] += run.num_pages * self._destination.page_bytes
+        for lane in used:
+            job = ReceiveJob(items[lane], num_bytes[lane], self._wake)
+            self._jobs.append((self._lanes[lane], job))
+            self._lanes[lane].submit(job)
+        message = dataclasses.replace(
+            message,
+            lane_addresses=[self._lanes[lane].worker_address.hex() for lane in used],
+            run_lanes=[used.index(lane) for lane in run_lanes],
+        )
         if not self.connection.send(message):
             self.end(TransferStatus.FAILED, "could not send the pull request to the holder", notify=False)
 
@@ -268,10 +275,11 @@ class PullSession(Session):
         if now >= self.deadline:
             self.end(TransferStatus.TIMED_OUT, "pull ran past its timeout", notify=True)
             return
-        if not self.requests.poll():
+        if not all(job.is_finished for _, job in self._jobs):
             return
-        if self.requests.error is not None:
-            self.end(TransferStatus.FAILED, f"receive failed: {self.requests.error}", notify=True)
+        error = next((job.error for _, job in self._jobs if job.error is not None), None)
+        if error is not None:
+            self.end(TransferStatus.FAILED, f"receive failed: {error}", notify=True)
         elif self._is_accepted:  # data can land before the ACCEPT, which carries the checksum
             self._complete()
 
@@ -286,8 +294,11 @@ class PullSession(Session):
         self.release(None)
         self.handle._finish(TransferStatus.DONE)
 
-    def _drop_endpoint(self, is_clean: bool) -> None:
-        self.endpoints.close(self.endpoint)
+    def _stop_ucx(self, is_clean: bool) -> None:
+        for lane, job in self._jobs:
+            if not lane.cancel(job):
+                _logger.error("transfer %s: a receive lane did not cancel in time", self.handle.transfer_id)
+        self._jobs = []
 
     def on_end_of_stream(self) -> None:
         self.end(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import struct
 import time
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ import pytest
 
 from tests.transfer_helpers import PeerProcess, seeded_pool
 from transfer import MemoryRegion, PullHandle, TransferStatus, UcxTransferAgent
+from transfer.control import ControlMessage, MessageKind
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,8 +25,8 @@ SEED = 7
 
 
 class LocalSide:
-    def __init__(self, num_pages: int, page_bytes: int) -> None:
-        self.agent = UcxTransferAgent()
+    def __init__(self, num_pages: int, page_bytes: int, lanes: int | None = None) -> None:
+        self.agent = UcxTransferAgent(lanes=lanes)
         self.pool = np.zeros((num_pages, page_bytes), dtype=np.uint8)
         self.agent.register("kv", MemoryRegion(self.pool.ctypes.data, page_bytes, num_pages))
 
@@ -116,8 +118,78 @@ def test_bytes_arrive_exactly(small: tuple[LocalSide, PeerProcess]) -> None:
     assert np.array_equal(local.pool[dst], expected[src])
     assert not local.pool[[page for page in range(128) if page not in dst]].any()
     assert handle.num_messages == 3 and handle.bytes_moved == 6 * (16 << 10)
+    # Two receive lanes by default: runs of 3, 2 and 1 pages go to lanes 0, 1, 1 (fewest bytes).
+    assert local.agent.lane_bytes() == [3 * (16 << 10), 3 * (16 << 10)]
     assert holder_events(peer, 1) == ["DONE"]
     assert_idle(local, peer)
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_any_number_of_lanes_moves_the_same_bytes(lanes: int) -> None:
+    peer = PeerProcess(64, 16 << 10, SEED)
+    local = LocalSide(64, 16 << 10, lanes=lanes)
+    try:
+        expected = seeded_pool(SEED, 64, 16 << 10)
+        src, dst = list(range(0, 20, 2)), list(range(63, 53, -1))  # 10 single-page runs
+        _, handle = local.pull(peer, src, dst)
+        assert handle.wait(10.0) is TransferStatus.DONE, handle.error
+        assert np.array_equal(local.pool[dst], expected[src])
+        assert sum(local.agent.lane_bytes()) == 10 * (16 << 10)
+        assert min(local.agent.lane_bytes()) >= 3 * (16 << 10)  # spread over every lane
+        assert_idle(local, peer)
+    finally:
+        local.agent.close()
+        peer.kill()
+
+
+@pytest.mark.parametrize(
+    ("run_lanes", "num_addresses", "error"),
+    [
+        ([1], 1, "names a lane that does not exist"),
+        ([0, 0], 1, "malformed lanes"),
+        ([0], 0, "malformed lanes"),
+    ],
+)
+def test_pull_naming_bad_lanes_is_refused_and_the_offer_survives(
+    small: tuple[LocalSide, PeerProcess], run_lanes: list[int], num_addresses: int, error: str
+) -> None:
+    local, peer = small
+    offer = peer.call("offer", page_ids=[3])
+    host, _, port = peer.address.rpartition(":")
+    pull = ControlMessage(
+        MessageKind.PULL,
+        offer["transfer_id"],
+        secret=offer["secret"],
+        region="kv",
+        runs=[(3, 1)],
+        tag_base=1 << 40,
+        lane_addresses=["00" * 8] * num_addresses,
+        run_lanes=run_lanes,
+        timeout_s=5.0,
+    )
+    with socket.create_connection((host, int(port)), timeout=5.0) as probe:
+        probe.sendall(pull.encode())
+        reply = _read_frame(probe)
+    assert reply.kind is MessageKind.ERROR and error in reply.error, reply
+    handle = local.agent.pull(
+        offer["address"], offer["transfer_id"], offer["secret"], "kv", [3], "kv", [9], 10.0
+    )
+    assert handle.wait(10.0) is TransferStatus.DONE, handle.error  # the refused request claimed nothing
+    assert np.array_equal(local.pool[9], seeded_pool(SEED, 128, 16 << 10)[3])
+    assert_idle(local, peer)
+
+
+def _read_frame(sock: socket.socket) -> ControlMessage:
+    def read_exactly(count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            chunk = sock.recv(count - len(data))
+            assert chunk, "the holder closed the connection without answering"
+            data += chunk
+        return data
+
+    (length,) = struct.unpack("!I", read_exactly(4))
+    return ControlMessage.decode(read_exactly(length))
 
 
 def test_64_concurrent_pulls_all_correct(small: tuple[LocalSide, PeerProcess]) -> None:

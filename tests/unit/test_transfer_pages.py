@@ -9,6 +9,7 @@ from transfer import MemoryRegion, TransferError, TransferStatus
 from transfer.control import ControlMessage, MessageKind
 from transfer.offer_book import OfferBook
 from transfer.pages import PageRun, RegionTable, check_page_ids, plan_runs
+from transfer.ucx_lanes import assign_lanes
 
 
 def test_runs_merge_pages_adjacent_at_both_ends() -> None:
@@ -55,3 +56,19 @@ def test_offer_book_refusals_and_single_end() -> None:
     with pytest.raises(TransferError, match="already used"):
         book.claim(offer.transfer_id, offer.secret, "kv", [1, 2], 1.0)
     assert ended == [TransferStatus.DONE] and book.num_offers() == 0 and book.reserved_bytes() == 0
+
+
+@pytest.mark.parametrize(
+    ("run_bytes", "num_lanes", "expected"),
+    [
+        ([4, 4, 4, 4], 2, [0, 1, 0, 1]),
+        ([8, 1, 1, 1], 2, [0, 1, 1, 1]),  # the big run alone on lane 0, the rest on lane 1
+        ([3, 2, 1], 2, [0, 1, 1]),
+        ([5, 5, 5], 1, [0, 0, 0]),
+        ([1, 1], 4, [0, 1]),  # fewer runs than lanes: some lanes get nothing
+    ],
+)
+def test_runs_go_to_the_lane_with_fewest_bytes(
+    run_bytes: list[int], num_lanes: int, expected: list[int]
+) -> None:
+    assert assign_lanes(run_bytes, num_lanes) == expected

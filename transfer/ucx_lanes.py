@@ -1,0 +1,165 @@
+"""Receive lanes: UCX workers of the puller, each driven by a thread of its own.
+
+Why: on one host a rendezvous message is moved by the receiver, inside its progress call
+(`process_vm_readv`, UCX's cma transport). One thread copies distinct pages at about 4 GB/s on the
+2-vCPU development host, two threads at about 7.5 GB/s (docs/transfer.md, "Receive lanes"), so a
+pull spread over two workers progressed by two threads moves close to twice as fast. The holder
+sends each run to the lane it was given in the PULL; nothing else changes on the wire.
+
+A lane owns its worker: only its thread posts receives, calls progress and closes endpoints (a UCX
+worker is single-threaded). The agent's loop hands it a `ReceiveJob` (one pull's runs on this lane)
+and reads back only `is_finished` and `error`. As before, a job's receives are posted through an
+endpoint of its own to the lane's own worker, so closing that endpoint cancels exactly this job's
+receives; `cancel` returns once the lane has closed it, after which no byte of the job can land.
+The lane spins only while it has jobs; otherwise it sleeps on an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transfer.ucx_binding import UcxBinding, UcxRequests
+
+_logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.1  # an idle lane wakes this often to notice that it was closed
+_LINGER_S = 5.0  # closed endpoints (and their buffers) stay referenced while UCX finishes closing
+_CANCEL_WAIT_S = 5.0
+
+
+class ReceiveJob:
+    """One pull's receives on one lane: (buffer, tag) pairs. Written by the lane thread once done."""
+
+    def __init__(self, items: list[tuple[Any, int]], num_bytes: int, on_finished: Callable[[], None]) -> None:
+        self.items = items
+        self.num_bytes = num_bytes
+        self.error: str | None = None
+        self._on_finished = on_finished
+        self._finished = threading.Event()
+        self._cancel_requested = threading.Event()
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished.is_set()
+
+    def _finish(self, error: str | None) -> None:
+        self.error = error
+        self._finished.set()
+        self._on_finished()
+
+
+@dataclass
+class _Running:
+    job: ReceiveJob
+    endpoint: Any
+    requests: UcxRequests
+    closed_at: float = field(default=0.0)
+
+
+class ReceiveLane:
+    def __init__(self, binding: UcxBinding, name: str) -> None:
+        self.worker_address = binding.worker_address
+        self._binding = binding
+        self._incoming: queue.SimpleQueue[ReceiveJob] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._is_closed = False
+        self.bytes_received = 0  # by jobs that completed without error; written by the lane thread
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: ReceiveJob) -> None:
+        if self._is_closed:
+            job._finish("the transfer agent is closed")
+            return
+        self._incoming.put(job)
+        self._wake.set()
+
+    def cancel(self, job: ReceiveJob) -> bool:
+        """Cancels the job's receives; True once the lane has (nothing of it can land after)."""
+        job._cancel_requested.set()
+        self._wake.set()
+        if threading.current_thread() is self._thread:
+            return job.is_finished
+        return job._finished.wait(_CANCEL_WAIT_S)
+
+    def close(self) -> None:
+        """Cancels every job and stops the thread (bounded)."""
+        self._is_closed = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=_CANCEL_WAIT_S)
+
+    # ---- the lane thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        running: list[_Running] = []
+        closing: list[_Running] = []
+        while True:
+            if not running:
+                if self._is_closed and self._incoming.empty():
+                    break
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+            try:
+                while not self._incoming.empty():
+                    started = self._start(self._incoming.get())
+                    if started is not None:
+                        running.append(started)
+                if running:
+                    self._binding.progress()
+                running = self._reap(running, closing)
+                now = time.monotonic()
+                closing = [entry for entry in closing if now - entry.closed_at < _LINGER_S]
+            except Exception:  # a bug must not stop the lane: the agent's pulls wait on it
+                _logger.exception("receive lane: error in its loop")
+        for entry in running:
+            self._close(entry, "the transfer agent is closed", closing)
+        self._binding.close()
+
+    def _start(self, job: ReceiveJob) -> _Running | None:
+        if job._cancel_requested.is_set() or self._is_closed:
+            job._finish("cancelled" if not self._is_closed else "the transfer agent is closed")
+            return None
+        try:
+            endpoint = self._binding.connect(self.worker_address)
+            requests = UcxRequests(self._binding)
+            for buffer, tag in job.items:
+                requests.add(self._binding.receive(endpoint, buffer, tag), buffer)
+        except Exception as error:  # UCX refused a receive: the pull fails, the lane goes on
+            job._finish(f"cannot post the receives: {error}")
+            return None
+        return _Running(job, endpoint, requests)
+
+    def _reap(self, running: list[_Running], closing: list[_Running]) -> list[_Running]:
+        still_running = []
+        for entry in running:
+            if entry.job._cancel_requested.is_set() or self._is_closed:
+                self._close(entry, "cancelled", closing)
+            elif entry.requests.poll():
+                if entry.requests.error is None:
+                    self.bytes_received += entry.job.num_bytes
+                self._close(entry, entry.requests.error, closing)
+            else:
+                still_running.append(entry)
+        return still_running
+
+    def _close(self, entry: _Running, error: str | None, closing: list[_Running]) -> None:
+        self._binding.close_endpoint(entry.endpoint)  # cancels whatever is still posted on it
+        entry.closed_at = time.monotonic()
+        closing.append(entry)
+        entry.job._finish(error)
+
+
+def assign_lanes(run_bytes: list[int], num_lanes: int) -> list[int]:
+    """The lane of each run: each goes to the lane with the fewest bytes so far (ties: lowest)."""
+    loads = [0] * num_lanes
+    lanes = []
+    for num_bytes in run_bytes:
+        lane = min(range(num_lanes), key=lambda index: (loads[index], index))
+        loads[lane] += num_bytes
+        lanes.append(lane)
+    return lanes
