@@ -1,18 +1,18 @@
 """UcxTransferAgent: pulls pages between processes with UCX tagged messages, zero-copy at both ends.
 
-One thread owns the control listener and connections (a selector), the UCX worker the holder
-sends from (it calls progress), the sessions and every deadline. Pulls receive on the agent's
-receive lanes (transfer/ucx_lanes.py): more UCX workers, each progressed by a thread of its own, so
-that the copies of one pull run on several cores. Public methods are thread-safe: they validate,
-then hand the loop a command and wake it; `revoke`, `cancel` and `close` wait (bounded) until the
-loop has done it, so stats are exact when they return.
+One thread owns the control listener and connections (a selector), the agent's UCX worker (it
+calls progress), the sessions and every deadline. Pulls receive on the agent's receive lanes
+(transfer/ucx_lanes.py): lane 0 is the agent's own worker, driven by this loop; each further lane
+is a UCX worker with a thread of its own, so that the copies of one pull run on several cores.
+Public methods are thread-safe: they validate, then hand the loop a command and wake it; `revoke`,
+`cancel` and `close` wait (bounded) until the loop has done it, so stats are exact when they return.
 
-While sends are posted the loop calls progress every 100 us instead of spinning: a holder's sends
-need progress only to push queued rendezvous requests and to see the puller's acknowledgements,
-both of which can wait that long, while the copy itself runs in the puller's lanes and needs the
-cores (on a 2-core host a spinning holder took one from them). Otherwise the loop sleeps in the
-selector, woken by a control message, a command, a lane that finished a job, or a 5 ms tick that
-drives the deadlines.
+The loop spins while lane 0 has receives posted (UCX moves data only inside progress calls). While
+only sends are posted it calls progress every 100 us instead: a holder's sends need progress only
+to push queued rendezvous requests and to see the puller's acknowledgements, both of which can
+wait that long, while the copy runs in the puller's lanes and needs the cores (on a 2-core host a
+spinning holder took one from them). Otherwise the loop sleeps in the selector, woken by a control
+message, a command, a lane that finished a job, or a 5 ms tick that drives the deadlines.
 """
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ class UcxTransferAgent(TransferAgent):
             raise ValueError(f"lanes must be between 1 and 16, got {num_lanes}")
         net_devices = None if "UCX_NET_DEVICES" in os.environ else interface_of(host)
         self._binding: UcxBinding = load_binding(binding, net_devices)
-        self._lanes = [
-            ReceiveLane(load_binding(binding, net_devices), f"ucx-lane-{index}") for index in range(num_lanes)
+        # Lane 0 is the agent's own worker, driven by the loop; the others have threads of their own.
+        self._lanes = [ReceiveLane(self._binding, "ucx-lane-0", threaded=False)] + [
+            ReceiveLane(load_binding(binding, net_devices), f"ucx-lane-{index}")
+            for index in range(1, num_lanes)
         ]
         self.num_lanes = num_lanes
         self._listener = socket.create_server((host, port))
@@ -223,17 +225,20 @@ class UcxTransferAgent(TransferAgent):
     # ---- everything below runs on the loop thread --------------------------------------------
     def _run(self) -> None:
         while not (self._is_closed and self._commands.empty()):
+            # UCX moves data only inside progress calls: spin while our lane has receives posted,
+            # poll often while sends are.
+            is_receiving = self._lanes[0].is_busy
             with self._lock:
-                # UCX moves data only inside progress calls: poll often while sends are posted.
                 is_sending = any(session.has_posted_sends for session in self._sessions.values())
             try:
-                if is_sending:
+                if is_sending and not is_receiving:
                     time.sleep(_SEND_POLL_S)
-                for key, _ in self._selector.select(0 if is_sending else _IDLE_TICK_S):
+                for key, _ in self._selector.select(0 if is_sending or is_receiving else _IDLE_TICK_S):
                     self._on_readable(key)
                 while not self._commands.empty():
                     self._commands.get()()
                 self._binding.progress()
+                self._lanes[0].step()
                 self._poll_sessions(time.monotonic())
             except Exception:  # a bug must not stop the loop: every other transfer depends on it
                 _logger.exception("transfer agent %s: error in the event loop", self.address)
