@@ -8,11 +8,12 @@ Public methods are thread-safe: they validate, then hand the loop a command and 
 `cancel` and `close` wait (bounded) until the loop has done it, so stats are exact when they return.
 
 The loop spins while lane 0 has receives posted (UCX moves data only inside progress calls). While
-only sends are posted it calls progress every 100 us instead: a holder's sends need progress only
-to push queued rendezvous requests and to see the puller's acknowledgements, both of which can
-wait that long, while the copy runs in the puller's lanes and needs the cores (on a 2-core host a
-spinning holder took one from them). Otherwise the loop sleeps in the selector, woken by a control
-message, a command, a lane that finished a job, or a 5 ms tick that drives the deadlines.
+only sends are posted it waits between progress calls, 0.1 to 5 ms (`HolderSession.send_poll_s`):
+a holder's sends need progress only to push queued rendezvous requests and to see the puller's
+acknowledgements, while the copy runs in the puller's lanes and needs the cores (on a 2-core host
+a spinning holder took one from them, and frequent wake-ups preempt them). Otherwise the loop
+sleeps in the selector with a 5 ms tick that drives the deadlines. Any wait ends early on a control
+message, a command or a lane that finished a job.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from transfer.ucx_sessions import HolderSession, PullSession, Session
 
 _logger = logging.getLogger(__name__)
 _IDLE_TICK_S = 0.005
-_SEND_POLL_S = 0.0001
 _COMMAND_WAIT_S = 5.0
 _CONNECT_TIMEOUT_S = 2.0
 
@@ -225,15 +225,8 @@ class UcxTransferAgent(TransferAgent):
     # ---- everything below runs on the loop thread --------------------------------------------
     def _run(self) -> None:
         while not (self._is_closed and self._commands.empty()):
-            # UCX moves data only inside progress calls: spin while our lane has receives posted,
-            # poll often while sends are.
-            is_receiving = self._lanes[0].is_busy
-            with self._lock:
-                is_sending = any(session.has_posted_sends for session in self._sessions.values())
             try:
-                if is_sending and not is_receiving:
-                    time.sleep(_SEND_POLL_S)
-                for key, _ in self._selector.select(0 if is_sending or is_receiving else _IDLE_TICK_S):
+                for key, _ in self._selector.select(self._wait_s()):
                     self._on_readable(key)
                 while not self._commands.empty():
                     self._commands.get()()
@@ -249,6 +242,24 @@ class UcxTransferAgent(TransferAgent):
         self._wake_reader.close()
         self._wake_writer.close()
         self._binding.close()
+
+    def _wait_s(self) -> float:
+        """How long the loop may wait for control traffic before it must call progress again.
+
+        UCX moves data only inside progress calls: none while our lane has receives posted; while
+        only sends are, what the sessions allow (sub-millisecond waits sleep here, since the
+        selector counts in whole milliseconds); otherwise the idle tick."""
+        if self._lanes[0].is_busy:
+            return 0.0
+        with self._lock:
+            sending = [session.send_poll_s for session in self._sessions.values() if session.has_posted_sends]
+        if not sending:
+            return _IDLE_TICK_S
+        wait_s = min(sending)
+        if wait_s < 0.001:
+            time.sleep(wait_s)
+            return 0.0
+        return wait_s
 
     def _on_readable(self, key: selectors.SelectorKey) -> None:
         if key.fileobj is self._wake_reader:
