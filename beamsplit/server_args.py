@@ -41,8 +41,9 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=range(1, 17),
         metavar="{1..16}",
-        help="threads that receive one pull in parallel, each with its own UCX worker (default: 2, 1 on a "
-        "single-core host); on one host the receiver does the copy, so lanes use more cores",
+        help="threads that receive one pull in parallel, each with its own UCX worker, one per 4 MiB "
+        "pulled (default: 2, 1 on a single-core host); on one host the receiver does the copy, so "
+        "lanes use more cores",
     )
 
 

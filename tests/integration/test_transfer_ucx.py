@@ -11,6 +11,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,8 +26,8 @@ SEED = 7
 
 
 class LocalSide:
-    def __init__(self, num_pages: int, page_bytes: int, lanes: int | None = None) -> None:
-        self.agent = UcxTransferAgent(lanes=lanes)
+    def __init__(self, num_pages: int, page_bytes: int, **agent_arguments: Any) -> None:
+        self.agent = UcxTransferAgent(**agent_arguments)
         self.pool = np.zeros((num_pages, page_bytes), dtype=np.uint8)
         self.agent.register("kv", MemoryRegion(self.pool.ctypes.data, page_bytes, num_pages))
 
@@ -118,16 +119,33 @@ def test_bytes_arrive_exactly(small: tuple[LocalSide, PeerProcess]) -> None:
     assert np.array_equal(local.pool[dst], expected[src])
     assert not local.pool[[page for page in range(128) if page not in dst]].any()
     assert handle.num_messages == 3 and handle.bytes_moved == 6 * (16 << 10)
-    # Two receive lanes by default: runs of 3, 2 and 1 pages go to lanes 0, 1, 1 (fewest bytes).
-    assert local.agent.lane_bytes() == [3 * (16 << 10), 3 * (16 << 10)]
+    # 96 KiB is less than one lane's worth (lane_split_bytes, 4 MiB): lane 0 alone, no hand-off.
+    assert local.agent.lane_bytes() == [6 * (16 << 10), 0]
     assert holder_events(peer, 1) == ["DONE"]
     assert_idle(local, peer)
+
+
+def test_a_pull_is_spread_over_the_lanes() -> None:
+    peer = PeerProcess(128, 16 << 10, SEED)
+    local = LocalSide(128, 16 << 10, lane_split_bytes=32 << 10)  # a lane per 2 pages
+    try:
+        expected = seeded_pool(SEED, 128, 16 << 10)
+        src, dst = [5, 6, 7, 40, 41, 90], [0, 1, 2, 3, 4, 100]
+        _, handle = local.pull(peer, src, dst)
+        assert handle.wait(10.0) is TransferStatus.DONE, handle.error
+        assert np.array_equal(local.pool[dst], expected[src])
+        # Runs of 3, 2 and 1 pages go to lanes 0, 1, 1 (each to the one with the fewest bytes).
+        assert local.agent.lane_bytes() == [3 * (16 << 10), 3 * (16 << 10)]
+        assert_idle(local, peer)
+    finally:
+        local.agent.close()
+        peer.kill()
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_any_number_of_lanes_moves_the_same_bytes(lanes: int) -> None:
     peer = PeerProcess(64, 16 << 10, SEED)
-    local = LocalSide(64, 16 << 10, lanes=lanes)
+    local = LocalSide(64, 16 << 10, lanes=lanes, lane_split_bytes=0)
     try:
         expected = seeded_pool(SEED, 64, 16 << 10)
         src, dst = list(range(0, 20, 2)), list(range(63, 53, -1))  # 10 single-page runs
