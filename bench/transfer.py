@@ -445,7 +445,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     axes.set_xlabel("message size (MiB, one KV page)")
     axes.set_ylabel("GB/s")
     axes.set_title("KV page pull between two processes on one host")
-    axes.legend()
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120, bbox_inches="tight")
 
