@@ -91,7 +91,13 @@ class UcxBinding(ABC):
 
     @abstractmethod
     def close_endpoint(self, endpoint: Any) -> None:
-        """Closes without waiting for the peer; requests still posted on it end cancelled."""
+        """Closes without waiting for the peer (its requests are not cancelled by this)."""
+
+    @abstractmethod
+    def cancel_and_close(self, endpoint: Any) -> None:
+        """For an endpoint to this worker itself: cancels every request posted through it (they
+        complete "canceled" before this returns, so a cancelled receive can no longer be written
+        into), then closes it. Never for an endpoint to a peer: closing one waits for the peer."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -141,6 +147,11 @@ class UcxxBinding(UcxBinding):
 
     def close_endpoint(self, endpoint: Any) -> None:
         endpoint.close()
+
+    def cancel_and_close(self, endpoint: Any) -> None:
+        # ucxx's close() only starts ucp_ep_close_nbx; close_blocking() first cancels the requests
+        # registered with the endpoint, then closes it, progressing this worker until it has.
+        endpoint.close_blocking()
 
     def close(self) -> None:
         self._worker = None
@@ -197,6 +208,9 @@ class UcpBinding(UcxBinding):
 
     def close_endpoint(self, endpoint: Any) -> None:
         endpoint.close()
+
+    def cancel_and_close(self, endpoint: Any) -> None:
+        endpoint.close()  # ucx-py's close cancels the endpoint's outstanding requests (untested here)
 
     def close(self) -> None:
         self._worker = None

@@ -2,10 +2,10 @@
 
 A fresh endpoint queues its first send until wire-up completes, which costs both processes progress
 rounds on the critical path of every pull; a reused one sends the rendezvous request at once.
-The price is that a send cannot be cancelled alone (closing the endpoint cancels all of its
-requests), so an endpoint that carried a transfer which did not end DONE is marked dirty and closed
-as soon as no transfer uses it. Its abandoned sends can never match anything: the puller cancelled
-the receives, and tags are never reused.
+The price is that a send cannot be withdrawn alone, so an endpoint that carried a transfer which
+did not end DONE is marked dirty and closed (ucxx `close()`: the close is started, not waited for,
+and the requests on it are not cancelled) as soon as no transfer uses it. Its abandoned sends can
+never match anything: the puller cancelled the receives, and tags are never reused.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class EndpointPool:
             self.close(endpoint)
 
     def close(self, endpoint: Any) -> None:
-        """Closes now (cancelling its requests) and keeps a reference while UCX finishes."""
+        """Starts closing now (without waiting for the peer) and keeps a reference while UCX finishes."""
         self._binding.close_endpoint(endpoint)
         self._closing.append((time.monotonic(), endpoint))
 

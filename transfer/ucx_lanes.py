@@ -11,8 +11,10 @@ worker is single-threaded). The agent's loop hands it a `ReceiveJob` (one pull's
 and reads back only `is_finished` and `error`. Lane 0 is inline: the agent's own worker, driven by
 the agent's loop, so a pull that fits on one lane (a single run) pays no hand-off between threads;
 that hand-off cost about 0.6 ms per pull on the 2-vCPU host. As before, a job's receives are posted through an
-endpoint of its own to the lane's own worker, so closing that endpoint cancels exactly this job's
-receives; `cancel` returns once the lane has closed it, after which no byte of the job can land.
+endpoint of its own to the lane's own worker, so cancelling through that endpoint cancels exactly
+this job's receives; `cancel` returns once the lane has (ucxx `close_blocking`: the requests end
+"canceled" before it returns; plain `close()` did not cancel them, and a cancelled pull's pages
+were still written once the holder sent), after which no byte of the job can land.
 A threaded lane spins only while it has jobs; otherwise it sleeps on an event.
 """
 
@@ -171,7 +173,7 @@ class ReceiveLane:
         return still_running
 
     def _close(self, entry: _Running, error: str | None) -> None:
-        self._binding.close_endpoint(entry.endpoint)  # cancels whatever is still posted on it
+        self._binding.cancel_and_close(entry.endpoint)  # no receive of it can complete after this
         entry.closed_at = time.monotonic()
         self._closing.append(entry)
         entry.job._finish(error)

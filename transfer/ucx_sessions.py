@@ -1,9 +1,11 @@
 """One pull seen from each side, as a small state machine run by the agent's event-loop thread.
 
-Invariant on both sides: a session's UCX endpoints are closed (cancelling every request still
-posted on them; on the puller, by the receive lanes, waited for) before the session reports its
-end, so once a handle or an offer has ended no byte of it can still land in, or be read from, the
-pool.
+Invariant on the puller: the receive lanes have cancelled every receive of a pull (waited for)
+before its handle reports the end, so once a handle has ended no byte of it can still land in the
+pool (tests/integration/test_transfer_ucx.py, test_cancelled_pull_on_both_lanes_...). The holder
+cannot withdraw a rendezvous request it has sent: until the puller has seen the CANCEL it may
+still read those pages with cma, after the offer ended; it discards what it read, and reading
+never changes the holder's memory.
 """
 
 from __future__ import annotations
@@ -228,9 +230,9 @@ class PullSession(Session):
     The runs are spread over the agent's receive lanes (transfer/ucx_lanes.py), balanced by bytes,
     and handed to them right after the PULL goes out. Each lane posts them through an endpoint of
     this pull's own, to its own worker: UCX matches tagged receives per worker, the endpoint only
-    groups them, and closing it cancels exactly this pull's receives. (Closing an endpoint to the
-    holder instead would also tear down the holder's endpoint paired with it, failing other pulls;
-    measured with ucxx 0.52.)
+    groups them, and `cancel_and_close` on it cancels exactly this pull's receives. (Closing an
+    endpoint to the holder instead would also tear down the holder's endpoint paired with it,
+    failing other pulls; measured with ucxx 0.52.)
 
     Every receive completing proves the holder accepted: it sends only after claiming the offer,
     and the tags are unique to this pull. So the ACCEPT is waited for only when it carries a

@@ -322,6 +322,36 @@ def test_cancel_from_either_side_frees_both(
     assert holder_events(peer, num_offers)[-1:] == ["CANCELLED"]
 
 
+def test_cancelled_pull_on_both_lanes_writes_nothing_afterwards(large: tuple[LocalSide, PeerProcess]) -> None:
+    """Cancel while the holder is stopped, then let it run: it reads the PULL before the CANCEL and
+    sends, but both lanes closed their receives before cancel() returned, so no byte may land."""
+    local, peer = large
+    pages = list(range(128))
+    offer = peer.call("offer", page_ids=pages)
+    peer.signal(signal.SIGSTOP)
+    handle = local.agent.pull(
+        offer["address"], offer["transfer_id"], offer["secret"], "kv", pages, "kv", pages[::-1], 10.0
+    )
+    time.sleep(0.2)  # the PULL is in the holder's socket buffer, the receives are posted
+    handle.cancel()
+    assert handle.status is TransferStatus.CANCELLED
+    peer.signal(signal.SIGCONT)
+    assert holder_events(peer, 1) == ["CANCELLED"]
+    time.sleep(0.3)
+    assert not local.pool.any()
+    assert local.agent.lane_bytes() == [0, 0]
+    assert_idle(local, peer)
+    # The lanes go on serving: the next pull over both of them lands whole.
+    offer = peer.call("offer", page_ids=pages)
+    handle = local.agent.pull(
+        offer["address"], offer["transfer_id"], offer["secret"], "kv", pages, "kv", pages[::-1], 10.0
+    )
+    assert handle.wait(10.0) is TransferStatus.DONE, handle.error
+    assert np.array_equal(local.pool[pages[::-1]], seeded_pool(SEED, 128, 1 << 20)[pages])
+    assert local.agent.lane_bytes() == [64 << 20, 64 << 20]
+    assert_idle(local, peer)
+
+
 def test_garbage_on_the_control_port_harms_nothing(small: tuple[LocalSide, PeerProcess]) -> None:
     local, peer = small
     host, _, port = peer.address.rpartition(":")
