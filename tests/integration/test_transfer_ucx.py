@@ -86,12 +86,14 @@ def holder_events(peer: PeerProcess, count: int, timeout_s: float = 5.0) -> list
         time.sleep(0.01)
 
 
-def two_sides(num_pages: int, page_bytes: int) -> Iterator[tuple[LocalSide, PeerProcess]]:
+def two_sides(
+    num_pages: int, page_bytes: int, **agent_arguments: Any
+) -> Iterator[tuple[LocalSide, PeerProcess]]:
     peer = None
     local = None
     try:
         peer = PeerProcess(num_pages, page_bytes, SEED)
-        local = LocalSide(num_pages, page_bytes)
+        local = LocalSide(num_pages, page_bytes, **agent_arguments)
         yield local, peer
     finally:
         if local is not None:
@@ -103,6 +105,15 @@ def two_sides(num_pages: int, page_bytes: int) -> Iterator[tuple[LocalSide, Peer
 @pytest.fixture
 def small() -> Iterator[tuple[LocalSide, PeerProcess]]:
     yield from two_sides(num_pages=128, page_bytes=16 << 10)
+
+
+@pytest.fixture(params=["lane 0 only", "every pull on both lanes"])
+def small_any_lanes(request: pytest.FixtureRequest) -> Iterator[tuple[LocalSide, PeerProcess, int]]:
+    """Small pages, with pulls on lane 0 alone (the default split) or on both lanes; also yields
+    the number of pages each pull of two runs puts on lane 1."""
+    split, on_lane_1 = {"lane 0 only": (4 << 20, 0), "every pull on both lanes": (0, 1)}[request.param]
+    for local, peer in two_sides(num_pages=128, page_bytes=16 << 10, lane_split_bytes=split):
+        yield local, peer, on_lane_1
 
 
 @pytest.fixture
@@ -210,14 +221,15 @@ def _read_frame(sock: socket.socket) -> ControlMessage:
     return ControlMessage.decode(read_exactly(length))
 
 
-def test_64_concurrent_pulls_all_correct(small: tuple[LocalSide, PeerProcess]) -> None:
-    local, peer = small
+def test_64_concurrent_pulls_all_correct(small_any_lanes: tuple[LocalSide, PeerProcess, int]) -> None:
+    local, peer, on_lane_1 = small_any_lanes
     expected = seeded_pool(SEED, 128, 16 << 10)
     pulls = [local.pull(peer, [2 * index, 2 * index + 1], [127 - index, 63 - index]) for index in range(64)]
     for _, handle in pulls:
         assert handle.wait(20.0) is TransferStatus.DONE, handle.error
     for index in range(64):
         assert np.array_equal(local.pool[[127 - index, 63 - index]], expected[[2 * index, 2 * index + 1]])
+    assert local.agent.lane_bytes() == [(128 - 64 * on_lane_1) * (16 << 10), 64 * on_lane_1 * (16 << 10)]
     assert_idle(local, peer)
 
 
