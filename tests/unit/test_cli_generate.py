@@ -1,4 +1,5 @@
-"""`beamsplit generate`: the JSON shape, the readable output, and bad arguments named by flag."""
+"""`beamsplit generate`: the JSON shape, the readable output, and bad arguments named by flag
+(also `serve generation --transfer-lanes`)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,11 @@ def test_bad_argument_names_the_flag(argv: list[str], flag: str, capsys: pytest.
         main(["generate", *argv])
     assert exit_info.value.code != 0
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lanes", ["0", "17", "two"])
+def test_bad_transfer_lanes_names_the_flag(lanes: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "generation", "--transfer-lanes", lanes])
+    assert exit_info.value.code == 2
+    assert "--transfer-lanes" in capsys.readouterr().err
