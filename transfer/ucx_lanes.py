@@ -1,21 +1,23 @@
-"""Receive lanes: UCX workers of the puller, each driven by a thread of its own.
+"""Receive lanes: UCX workers of the puller that share out the receives of one pull.
 
 Why: on one host a rendezvous message is moved by the receiver, inside its progress call
 (`process_vm_readv`, UCX's cma transport). One thread copies distinct pages at about 4 GB/s on the
 2-vCPU development host, two threads at about 7.5 GB/s (docs/transfer.md, "Receive lanes"), so a
 pull spread over two workers progressed by two threads moves close to twice as fast. The holder
-sends each run to the lane it was given in the PULL; nothing else changes on the wire.
+sends each run to the lane it was given in the PULL.
 
-A lane owns its worker: only its thread posts receives, calls progress and closes endpoints (a UCX
-worker is single-threaded). The agent's loop hands it a `ReceiveJob` (one pull's runs on this lane)
-and reads back only `is_finished` and `error`. Lane 0 is inline: the agent's own worker, driven by
-the agent's loop, so a pull that fits on one lane (a single run) pays no hand-off between threads;
-that hand-off cost about 0.6 ms per pull on the 2-vCPU host. As before, a job's receives are posted through an
-endpoint of its own to the lane's own worker, so cancelling through that endpoint cancels exactly
-this job's receives; `cancel` returns once the lane has (ucxx `close_blocking`: the requests end
-"canceled" before it returns; plain `close()` did not cancel them, and a cancelled pull's pages
-were still written once the holder sent), after which no byte of the job can land.
-A threaded lane spins only while it has jobs; otherwise it sleeps on an event.
+Lane 0 is inline: the agent's own worker, driven by the agent's loop (`step()`), so a pull on it
+alone pays no hand-off between threads (up to about 1 ms on the 2-vCPU host). Every other lane
+has a worker and a thread of its own, and spins only while it has receives posted; otherwise it
+sleeps on an event. A lane owns its worker (a UCX worker is single-threaded): only its driving
+thread posts receives, calls progress and cancels or closes endpoints. The agent's loop hands it a
+`ReceiveJob` (one pull's runs on this lane) and reads back only `is_finished` and `error`.
+
+A job's receives are posted through an endpoint of its own to the lane's own worker, so cancelling
+through that endpoint cancels exactly this job's receives. `cancel` returns once the lane has done
+so with ucxx's `close_blocking` (the requests end "canceled" before it returns; plain `close()`
+cancels nothing, and a cancelled pull's pages were still written once the holder sent), after
+which no byte of the job can land.
 """
 
 from __future__ import annotations
