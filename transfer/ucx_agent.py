@@ -88,7 +88,6 @@ class UcxTransferAgent(TransferAgent):
             ReceiveLane(load_binding(binding, net_devices), f"ucx-lane-{index}")
             for index in range(1, num_lanes)
         ]
-        self.num_lanes = num_lanes
         self._lane_split_bytes = lane_split_bytes
         self._listener = socket.create_server((host, port))
         self._listener.setblocking(False)
@@ -168,6 +167,10 @@ class UcxTransferAgent(TransferAgent):
         )
         return handle
 
+    @property
+    def num_lanes(self) -> int:
+        return len(self._lanes)
+
     def lane_bytes(self) -> list[int]:
         """Bytes each receive lane has received for pulls that completed (for tests and metrics)."""
         return [lane.bytes_received for lane in self._lanes]
@@ -234,8 +237,8 @@ class UcxTransferAgent(TransferAgent):
                     self._on_readable(key)
                 while not self._commands.empty():
                     self._commands.get()()
-                self._binding.progress()
-                self._lanes[0].step()
+                self._binding.progress()  # the holder's sends and lane 0's receives alike
+                self._lanes[0].step(progress=False)
                 self._poll_sessions(time.monotonic())
             except Exception:  # a bug must not stop the loop: every other transfer depends on it
                 _logger.exception("transfer agent %s: error in the event loop", self.address)

@@ -119,13 +119,14 @@ class ReceiveLane:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=_CANCEL_WAIT_S)
 
-    def step(self) -> None:
-        """Starts new jobs, progresses the worker while receives are posted, ends finished jobs."""
+    def step(self, progress: bool = True) -> None:
+        """Starts new jobs, progresses the worker while receives are posted (unless the caller just
+        did: `progress=False`, the agent's loop for lane 0), ends finished jobs."""
         while not self._incoming.empty():
             started = self._start(self._incoming.get())
             if started is not None:
                 self._running.append(started)
-        if self._running:
+        if progress and self._running:
             self._binding.progress()
         self._running = self._reap(self._running)
         now = time.monotonic()
