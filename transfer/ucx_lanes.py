@@ -164,19 +164,25 @@ class ReceiveLane:
         still_running = []
         for entry in running:
             if self._is_closed:
-                self._close(entry, "the transfer agent is closed")
+                self._close(entry, "the transfer agent is closed", cancel=True)
             elif entry.job._cancel_requested.is_set():
-                self._close(entry, "cancelled")
+                self._close(entry, "cancelled", cancel=True)
             elif entry.requests.poll():
                 if entry.requests.error is None:
                     self.bytes_received += entry.job.num_bytes
-                self._close(entry, entry.requests.error)
+                self._close(entry, entry.requests.error, cancel=False)
             else:
                 still_running.append(entry)
         return still_running
 
-    def _close(self, entry: _Running, error: str | None) -> None:
-        self._binding.cancel_and_close(entry.endpoint)  # no receive of it can complete after this
+    def _close(self, entry: _Running, error: str | None, cancel: bool) -> None:
+        """`cancel`: receives may still be posted, cancel them first (no receive of the job can
+        complete after this). Otherwise all completed and a plain close, which never waits, will do:
+        the blocking close stays off the path of every successful pull."""
+        if cancel:
+            self._binding.cancel_and_close(entry.endpoint)
+        else:
+            self._binding.close_endpoint(entry.endpoint)
         entry.closed_at = time.monotonic()
         self._closing.append(entry)
         entry.job._finish(error)
