@@ -14,7 +14,7 @@ from beamsplit.metrics import ServerMetrics
 from beamsplit.request_validation import ModelLimits
 from beamsplit.v1 import common_pb2
 from engine.config import EngineConfig
-from transfer import MemoryRegion, TransferAgent, UcxTransferAgent
+from transfer import MemoryRegion, UcxTransferAgent
 
 KV_REGION_NAME = "kv"
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def worker_info(handle: EngineHandle) -> common_pb2.WorkerInfo:
     return info
 
 
-def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> TransferAgent:
+def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> UcxTransferAgent:
     """A UCX agent with the engine's whole KV pool registered as `KV_REGION_NAME`.
 
     Its control listener binds the server's --host (port --transfer-port, 0: any free one); peers
@@ -93,3 +93,8 @@ def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> Tran
         ),
     )
     return agent
+
+
+def describe_transfer_agent(agent: UcxTransferAgent) -> str:
+    """The tail of a worker's "serving on" line: where pulls reach it and how it moves pages."""
+    return f", ucx {agent.address} ({agent.binding_name}, {agent.num_lanes} receive lanes)"

@@ -17,6 +17,7 @@ from beamsplit.server_common import (
 from beamsplit.v1 import worker_pb2, worker_pb2_grpc
 from beamsplit.worker_setup import (
     KV_REGION_NAME,
+    describe_transfer_agent,
     start_engine,
     start_transfer_agent,
     worker_info,
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     )
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
-    announce("context", server, args.host, args.metrics_port, f", ucx {agent.address}")
+    announce("context", server, args.host, args.metrics_port, describe_transfer_agent(agent))
 
     def cleanup() -> None:
         service.shutdown()

@@ -51,7 +51,9 @@ class PeerProcess:
             text=True,
             env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
         )
-        self.address: str = self._read_line(20.0)["address"]
+        hello = self._read_line(20.0)
+        self.address: str = hello["address"]
+        self.binding: str = hello["binding"]
 
     def call(self, op: str, timeout_s: float = 10.0, **arguments: Any) -> dict[str, Any]:
         assert self.process.stdin is not None
@@ -108,7 +110,7 @@ def _serve(arguments: argparse.Namespace) -> None:
     def on_done(transfer_id: str, status: TransferStatus) -> None:
         events.append((transfer_id, status.name))
 
-    answer({"address": agent.address})
+    answer({"address": agent.address, "binding": agent.binding_name})
     for line in sys.stdin:
         command = json.loads(line)
         op = command["op"]

@@ -77,6 +77,8 @@ class UcxTransferAgent(TransferAgent):
         (threads copying one pull in parallel); default 2, or 1 on a single-core host. A pull
         uses one lane per `lane_split_bytes` it moves (at least one, at most `lanes`): handing
         work to a lane thread costs about 1 ms here, as long as copying 4 MiB (0: always all).
+        `binding` is the UCX Python binding, "ucxx" or "ucp" (default: BEAMSPLIT_UCX_BINDING, else
+        whichever is installed, ucxx first).
         """
         num_lanes = default_lanes() if lanes is None else lanes
         if not 1 <= num_lanes <= 16:
@@ -85,7 +87,7 @@ class UcxTransferAgent(TransferAgent):
         self._binding: UcxBinding = load_binding(binding, net_devices)
         # Lane 0 is the agent's own worker, driven by the loop; the others have threads of their own.
         self._lanes = [ReceiveLane(self._binding, "ucx-lane-0", threaded=False)] + [
-            ReceiveLane(load_binding(binding, net_devices), f"ucx-lane-{index}")
+            ReceiveLane(load_binding(self._binding.name, net_devices), f"ucx-lane-{index}")
             for index in range(1, num_lanes)
         ]
         self._lane_split_bytes = lane_split_bytes
@@ -99,6 +101,7 @@ class UcxTransferAgent(TransferAgent):
         self._selector = selectors.DefaultSelector()
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)  # a full buffer already holds a wake-up: never block on it
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_reader, selectors.EVENT_READ, None)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -109,6 +112,11 @@ class UcxTransferAgent(TransferAgent):
         self._is_closed = False
         self._thread = threading.Thread(target=self._run, name=f"ucx-agent-{self.address}", daemon=True)
         self._thread.start()
+
+    @property
+    def binding_name(self) -> str:
+        """The UCX Python binding in use: "ucxx" or "ucp"."""
+        return self._binding.name
 
     # ---- holder side -------------------------------------------------------------------------
     def register(self, name: str, region: MemoryRegion) -> None:
@@ -211,6 +219,8 @@ class UcxTransferAgent(TransferAgent):
     def _wake(self) -> None:
         try:
             self._wake_writer.send(b"\0")
+        except BlockingIOError:
+            pass  # the buffer is full of wake-ups the loop has not read yet: it will wake
         except OSError:
             pass  # the loop has stopped (a posted command will never run; callers' waits are bounded)
 

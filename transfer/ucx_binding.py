@@ -36,7 +36,10 @@ Why these choices (measured on a 2-core host, 4 MiB messages; docs/transfer.md h
 from __future__ import annotations
 
 import collections
+import ctypes
 import importlib.util
+import os
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -207,14 +210,55 @@ class UcpBinding(UcxBinding):
         self._worker.progress()
 
     def close_endpoint(self, endpoint: Any) -> None:
-        endpoint.close()
+        # ucx-py's close() cancels what it can and then progresses the worker until a flush of the
+        # endpoint completes: a holder's endpoint whose pull was cancelled holds sends the puller
+        # will never match, so that flush never ends and the agent's loop would hang in it. Start
+        # the flush and return, as ucxx's close() does: ucx-py's finalizer is detached (it would
+        # close again), the close request is released now and UCX frees it once the flush ends.
+        handle = endpoint.handle  # readable only while the finalizer is attached
+        _detach_finalizer(endpoint)
+        libucp = _libucp()
+        request = libucp.ucp_ep_close_nb(ctypes.c_void_p(handle), _UCP_EP_CLOSE_MODE_FLUSH)
+        if _is_request_pointer(request):
+            libucp.ucp_request_free(ctypes.c_void_p(request))
 
     def cancel_and_close(self, endpoint: Any) -> None:
-        endpoint.close()  # ucx-py's close cancels the endpoint's outstanding requests (untested here)
+        # ucx-py's close() cancels the requests posted through the endpoint (receives complete
+        # "canceled" at once), then flushes it: an endpoint to this worker itself flushes at once.
+        endpoint.close()
 
     def close(self) -> None:
         self._worker = None
         self._context = None
+
+
+_UCP_EP_CLOSE_MODE_FLUSH = 1  # ucp_compat.h
+_UCS_ERR_LAST = -100  # ucs/type/status.h
+
+
+def _libucp() -> ctypes.CDLL:
+    # libucp is loaded already (ucx-py's import loads it); dlopen by its soname finds that copy.
+    library = ctypes.CDLL("libucp.so.0")
+    library.ucp_ep_close_nb.restype = ctypes.c_void_p
+    library.ucp_ep_close_nb.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    library.ucp_request_free.argtypes = [ctypes.c_void_p]
+    return library
+
+
+def _is_request_pointer(status_pointer: int | None) -> bool:
+    """UCS_PTR_IS_PTR: neither NULL (done) nor one of the last 100 addresses (an error status)."""
+    return status_pointer is not None and 0 < status_pointer < (1 << 64) + _UCS_ERR_LAST
+
+
+def _detach_finalizer(ucx_object: Any) -> None:
+    """ucx-py frees each handle in a weakref.finalize kept private to its Cython class; find it in
+    weakref's registry so that it never runs (the handle is closed by the caller instead)."""
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        found = finalizer.peek()
+        if found is not None and found[0] is ucx_object:
+            finalizer.detach()
+            return
+    raise RuntimeError("ucx-py endpoint has no finalizer to detach (closed already?)")
 
 
 class UcxRequests:
@@ -254,13 +298,30 @@ class UcxRequests:
         return True
 
 
+BINDING_ENV = "BEAMSPLIT_UCX_BINDING"
+BINDING_NAMES = ("ucxx", "ucp")
+
+
+def installed_bindings() -> list[str]:
+    return [name for name in BINDING_NAMES if importlib.util.find_spec(name) is not None]
+
+
 def load_binding(preferred: str | None = None, net_devices: str | None = None) -> UcxBinding:
-    """The named binding, or ucxx if installed, else ucp; `net_devices` limits UCX's network
-    interfaces (UCX_NET_DEVICES syntax, e.g. "eth0" or "lo"), None leaves UCX's choice."""
-    names = [preferred] if preferred else ["ucxx", "ucp"]
+    """The named binding; unnamed, the one BEAMSPLIT_UCX_BINDING names, else ucxx if installed,
+    else ucp. `net_devices` limits UCX's network interfaces (UCX_NET_DEVICES syntax, e.g. "eth0" or
+    "lo"), None leaves UCX's choice."""
+    preferred = preferred or os.environ.get(BINDING_ENV) or None
+    if preferred is not None and preferred not in BINDING_NAMES:
+        raise ValueError(
+            f"unknown UCX binding {preferred!r} (from {BINDING_ENV} or binding=): use ucxx or ucp"
+        )
+    names = [preferred] if preferred else list(BINDING_NAMES)
     for name in names:
         if name == "ucxx" and importlib.util.find_spec("ucxx") is not None:
             return UcxxBinding(net_devices)
         if name == "ucp" and importlib.util.find_spec("ucp") is not None:
             return UcpBinding(net_devices)
-    raise RuntimeError(f"no UCX Python binding found (tried {', '.join(str(name) for name in names)})")
+    raise RuntimeError(
+        f"no UCX Python binding found (tried {', '.join(names)}): install ucxx-cu12"
+        + (f", or unset {BINDING_ENV}" if os.environ.get(BINDING_ENV) else "")
+    )

@@ -6,6 +6,7 @@ reserved. Helpers bind port 0 (the kernel picks a free port) and are killed by p
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import struct
@@ -19,15 +20,25 @@ import pytest
 from tests.transfer_helpers import PeerProcess, seeded_pool
 from transfer import MemoryRegion, PullHandle, TransferStatus, UcxTransferAgent
 from transfer.control import ControlMessage, MessageKind
+from transfer.ucx_binding import BINDING_ENV, installed_bindings
 
 pytestmark = pytest.mark.timeout(30)
 
 SEED = 7
 
 
+@pytest.fixture(autouse=True, params=installed_bindings())
+def binding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs once per installed UCX binding (ucxx here; ucp too where ucx-py is
+    installed), on both sides: the helper process inherits the environment."""
+    monkeypatch.setenv(BINDING_ENV, request.param)
+    return str(request.param)
+
+
 class LocalSide:
     def __init__(self, num_pages: int, page_bytes: int, **agent_arguments: Any) -> None:
         self.agent = UcxTransferAgent(**agent_arguments)
+        assert self.agent.binding_name == os.environ[BINDING_ENV]
         self.pool = np.zeros((num_pages, page_bytes), dtype=np.uint8)
         self.agent.register("kv", MemoryRegion(self.pool.ctypes.data, page_bytes, num_pages))
 
@@ -94,6 +105,7 @@ def two_sides(
     try:
         peer = PeerProcess(num_pages, page_bytes, SEED)
         local = LocalSide(num_pages, page_bytes, **agent_arguments)
+        assert peer.binding == os.environ[BINDING_ENV]
         yield local, peer
     finally:
         if local is not None:
@@ -375,3 +387,14 @@ def test_garbage_on_the_control_port_harms_nothing(small: tuple[LocalSide, PeerP
     assert handle.wait(10.0) is TransferStatus.DONE, handle.error
     assert np.array_equal(local.pool[4], expected[3])
     assert_idle(local, peer)
+
+
+def test_binding_is_chosen_by_name_and_a_bad_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BINDING_ENV, "ucx-py")
+    with pytest.raises(ValueError, match="BEAMSPLIT_UCX_BINDING"):
+        UcxTransferAgent()
+    missing = next((name for name in ("ucxx", "ucp") if name not in installed_bindings()), None)
+    if missing is not None:
+        monkeypatch.setenv(BINDING_ENV, missing)
+        with pytest.raises(RuntimeError, match=f"tried {missing}"):
+            UcxTransferAgent()
