@@ -10,6 +10,7 @@ never match anything: the puller cancelled the receives, and tags are never reus
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 from transfer.ucx_binding import UcxBinding
 
 _LINGER_S = 5.0  # closed endpoints stay referenced while UCX finishes closing them
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,7 +62,10 @@ class EndpointPool:
 
     def close(self, endpoint: Any) -> None:
         """Starts closing now (without waiting for the peer) and keeps a reference while UCX finishes."""
-        self._binding.close_endpoint(endpoint)
+        try:
+            self._binding.close_endpoint(endpoint)
+        except Exception:  # the session ends all the same; the endpoint is dropped with the binding
+            _logger.exception("closing an endpoint to a puller failed")
         self._closing.append((time.monotonic(), endpoint))
 
     def sweep(self, now: float) -> None:

@@ -179,10 +179,15 @@ class ReceiveLane:
         """`cancel`: receives may still be posted, cancel them first (no receive of the job can
         complete after this). Otherwise all completed and a plain close, which never waits, will do:
         the blocking close stays off the path of every successful pull."""
-        if cancel:
-            self._binding.cancel_and_close(entry.endpoint)
-        else:
-            self._binding.close_endpoint(entry.endpoint)
+        try:
+            if cancel:
+                self._binding.cancel_and_close(entry.endpoint)
+            else:
+                self._binding.close_endpoint(entry.endpoint)
+        except Exception as close_error:  # the job must end all the same, or every turn retries it
+            _logger.exception("receive lane: closing a pull's endpoint failed")
+            if cancel:
+                error = f"{error}; cancelling its receives failed ({close_error})"
         entry.closed_at = time.monotonic()
         self._closing.append(entry)
         entry.job._finish(error)
