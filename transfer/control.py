@@ -20,7 +20,7 @@ import enum
 import json
 import socket
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 _HEADER = struct.Struct("!I")
 _MAX_FRAME_BYTES = 16 << 20  # a PULL for a 16k-token prompt in 16-token pages is ~20 KB
@@ -52,9 +52,11 @@ class ControlMessage:
     error: str = ""
 
     def encode(self) -> bytes:
-        fields = asdict(self)
-        fields["kind"] = self.kind.value
-        payload = json.dumps(fields, separators=(",", ":")).encode()
+        # Shallow on purpose: dataclasses.asdict deep-copies every run tuple, which made encoding
+        # a 32-page PULL take 0.2 ms of the pull's start-up.
+        values = {name: getattr(self, name) for name in _FIELD_NAMES}
+        values["kind"] = self.kind.value
+        payload = json.dumps(values, separators=(",", ":")).encode()
         return _HEADER.pack(len(payload)) + payload
 
     @staticmethod
@@ -63,6 +65,9 @@ class ControlMessage:
         fields["kind"] = MessageKind(fields["kind"])
         fields["runs"] = [(int(first), int(count)) for first, count in fields.get("runs", [])]
         return ControlMessage(**fields)
+
+
+_FIELD_NAMES = tuple(message_field.name for message_field in fields(ControlMessage))
 
 
 class ProtocolError(RuntimeError):
