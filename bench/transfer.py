@@ -13,7 +13,9 @@ our agent limited to one receive lane, measured in the same run (`lanes` is what
 `cma_limit_gbps` is the kernel alone on the same pages: `process_vm_readv`, the call UCX's cma
 transport makes, from as many threads as we have lanes, one call per page, no UCX (ucx_perftest
 instead re-reads one buffer that stays in the CPU cache, which distinct pages cannot).
-gbps is 10^9 bytes per second.
+gbps is 10^9 bytes per second. `protocol` and `reference_protocol` are what UCX itself reports
+picking for our sends and for ucx_perftest's (UCX_PROTO_INFO=y in the holder and in one
+ucx_perftest run per case; the holder's log is bench/out/transfer_holder.log).
 
 Nothing spins while it is not measured: every thread of both processes is idle between
 measurements, so each one gets both cores (a NIXL progress thread left running in the holder took
@@ -205,22 +207,44 @@ def cma_read_seconds(
 
 
 class Holder:
-    def __init__(self, pool_bytes: int) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--pool-bytes", str(pool_bytes)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parent.parent,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        )
+    """The holder process. Its log (stderr: NIXL's and UCX's output, with UCX_PROTO_INFO's tables of
+    the protocols UCX picks) goes to `log_path`."""
+
+    def __init__(self, pool_bytes: int, log_path: Path) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, __file__, "--serve", "--pool-bytes", str(pool_bytes)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=Path(__file__).resolve().parent.parent,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                    "UCX_PROTO_INFO": "y",
+                },
+            )
         self.info = self.read()
 
     def read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
         if not select.select([self.process.stdout], [], [], 60.0)[0]:
-            raise TimeoutError("benchmark holder process did not answer")
-        return dict(json.loads(self.process.stdout.readline()))
+            raise TimeoutError(f"benchmark holder process did not answer; its log: {self.log_tail()}")
+        line = self.process.stdout.readline()
+        if not line:
+            raise EOFError(f"benchmark holder process exited; its log: {self.log_tail()}")
+        return dict(json.loads(line))
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-2000:]
+
+    def send_protocol(self, message_bytes: int) -> str | None:
+        """What UCX picked for our agent's sends of this size: the agent is the first UCX user of
+        the holder to send (each case pulls through it before the bare UCX loop runs)."""
+        return tag_send_protocol(self.log_path.read_text(errors="replace"), message_bytes)
 
     def offer(self, block_size: int, page_ids: list[int]) -> dict[str, Any]:
         self.send_command({"op": "offer", "block_size": block_size, "page_ids": page_ids})
@@ -238,6 +262,35 @@ class Holder:
 
 
 # ---- the references ----------------------------------------------------------------------------
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _proto_size(text: str) -> float:
+    if text == "inf":
+        return float("inf")
+    digits = text.rstrip("KMGT")
+    return int(digits) * _SIZE_UNITS[text[len(digits) :]]
+
+
+def tag_send_protocol(log: str, message_bytes: int) -> str | None:
+    """From UCX_PROTO_INFO output: the protocol and transport of the first table of tagged sends
+    from host memory to another process, for a message of this size ("rendezvous zero-copy read
+    from remote over cma/memory"); None if there is no such table. Tables of endpoints to the
+    process itself ("ucp_context_1 self cfg#0", the agent's receive lanes) are skipped."""
+    in_table = False
+    for line in log.splitlines():
+        if "tagged message by ucp_tag_send* from host memory" in line:
+            in_table = " self cfg#" not in line
+            continue
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if not in_table or len(cells) != 3 or ".." not in cells[0]:
+            continue
+        low, high = cells[0].split("..")
+        if _proto_size(low) <= message_bytes <= _proto_size(high):
+            return f"{cells[1].removeprefix('(?) ')} over {cells[2]}"
+    return None
+
+
 def _perftest_command() -> tuple[str, dict[str, str]]:
     import libucx
 
@@ -255,7 +308,14 @@ def _free_port() -> int:
 
 def perftest_gbps(message_bytes: int, num_messages: int) -> float:
     """ucx_perftest tag_bw between two processes: the UCX limit for this message size."""
+    return perftest_run(message_bytes, num_messages)[0]
+
+
+def perftest_run(message_bytes: int, num_messages: int, proto_info: bool = False) -> tuple[float, str | None]:
+    """ucx_perftest tag_bw: (GB/s, with `proto_info` the protocol UCX picked for its sends)."""
     binary, environment = _perftest_command()
+    if proto_info:
+        environment["UCX_PROTO_INFO"] = "y"
     port = _free_port()
     server = subprocess.Popen(
         [binary, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment
@@ -290,7 +350,8 @@ def perftest_gbps(message_bytes: int, num_messages: int) -> float:
     if not final:
         raise RuntimeError(f"ucx_perftest gave no result: {client.stdout[-500:]} {client.stderr[-500:]}")
     megabytes_per_second = float(final[0].split()[6])  # overall bandwidth, MB = 2^20 bytes
-    return megabytes_per_second * (1 << 20) / 1e9
+    protocol = tag_send_protocol(client.stdout, message_bytes) if proto_info else None
+    return megabytes_per_second * (1 << 20) / 1e9, protocol
 
 
 class NixlReader:
@@ -340,7 +401,7 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
     expected = np.random.default_rng(0).integers(0, 256, pool_bytes, dtype=np.uint8)
     pool = np.empty(pool_bytes, dtype=np.uint8)
     pool.fill(0)  # touch every page now, as a serving pool is, so first-touch faults are not timed
-    holder = Holder(pool_bytes)
+    holder = Holder(pool_bytes, OUT_DIR / "transfer_holder.log")
     agent = UcxTransferAgent()
     one_lane = UcxTransferAgent(lanes=1)
     results = []
@@ -362,9 +423,12 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
             num_tries = max(repeats, min(8, (1 << 30) // (num_pages * page_bytes)))
             seconds: dict[Any, list[float]] = {agent: [], one_lane: []}
             references = []
+            reference_protocol = None
             for attempt in range(num_tries):
                 # Interleaved, ucx_perftest too: all three see the same host, as often.
-                references.append(perftest_gbps(page_bytes, num_pages))
+                reference, protocol = perftest_run(page_bytes, num_pages, proto_info=attempt == 0)
+                references.append(reference)
+                reference_protocol = reference_protocol or protocol
                 for puller in (agent, one_lane):
                     if attempt == 0:
                         pool.fill(0)
@@ -399,6 +463,8 @@ def run_cases(quick: bool) -> list[dict[str, Any]]:
                     "nixl_gbps": round(total / nixl_seconds / 1e9, 3),
                     "same_pages_ucx_gbps": round(total / raw_seconds / 1e9, 3),
                     "cma_limit_gbps": round(total / cma_seconds / 1e9, 3),
+                    "protocol": holder.send_protocol(page_bytes),
+                    "reference_protocol": reference_protocol,
                 }
             )
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)

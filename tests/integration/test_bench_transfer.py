@@ -29,13 +29,13 @@ def load_bench() -> ModuleType:
     return module
 
 
-def test_benchmark_pieces_move_the_holders_pages() -> None:
+def test_benchmark_pieces_move_the_holders_pages(tmp_path: Path) -> None:
     bench = load_bench()
     page_bytes = 16 * bench.TOKEN_BYTES  # 2 MiB: a 16-token block
     expected = np.random.default_rng(0).integers(0, 256, POOL_BYTES, dtype=np.uint8).reshape(-1, page_bytes)
     src = list(range(8))
     dst = src[::-1]
-    holder = bench.Holder(POOL_BYTES)
+    holder = bench.Holder(POOL_BYTES, tmp_path / "holder.log")
     agent = UcxTransferAgent()
     try:
         pool = np.zeros(POOL_BYTES, dtype=np.uint8)
@@ -49,8 +49,42 @@ def test_benchmark_pieces_move_the_holders_pages() -> None:
         assert np.array_equal(pages[dst], expected[src])
         assert agent.lane_bytes() == [4 * page_bytes, 4 * page_bytes]  # 16 MiB: both lanes
 
-        assert bench.perftest_gbps(page_bytes, 8) > 0
+        gbps, reference_protocol = bench.perftest_run(page_bytes, 8, proto_info=True)
+        assert gbps > 0
+        # Our sends and ucx_perftest's take the same protocol and transport (cma here, whatever
+        # this host offers elsewhere), as read from UCX_PROTO_INFO's tables.
+        assert reference_protocol is not None
+        assert holder.send_protocol(page_bytes) == reference_protocol
     finally:
         agent.close()
         holder.stop()
         holder.process.wait(timeout=10)
+
+
+PROTO_INFO = """
+[1796226430.637366] [vm:9611 :0]   | ucp_context_1 self cfg#0 | tagged message by ucp_tag_send* from host memory            |
+[1796226430.637369] [vm:9611 :0]   |                  8K..inf | (?) rendezvous copy from mapped remote memory | self/memory |
+[1796226455.195039] [vm:9683 :0]   | perftest intra-node cfg#0 | tagged message by ucp_tag_send* from host memory        |
+[1796226455.195039] [vm:9683 :0]   +---------------------------+-------------------------------------------+-------------+
+[1796226455.195040] [vm:9683 :0]   |                     0..92 | eager short                               | sysv/memory |
+[1796226455.195040] [vm:9683 :0]   |                  93..5028 | eager copy-in copy-out                    | sysv/memory |
+[1796226455.195041] [vm:9683 :0]   |                 5029..inf | (?) rendezvous zero-copy read from remote | cma/memory  |
+[1796226455.195126] [vm:9683 :0]   | perftest intra-node cfg#0 | tagged message by ucp_tag_send*(multi) from host memory |
+[1796226455.195128] [vm:9683 :0]   |                 256K..inf | multi-frag eager copy-in copy-out         | tcp/lo      |
+"""
+
+
+@pytest.mark.parametrize(
+    ("message_bytes", "protocol"),
+    [
+        (64, "eager short over sysv/memory"),
+        (5028, "eager copy-in copy-out over sysv/memory"),
+        (2 << 20, "rendezvous zero-copy read from remote over cma/memory"),
+    ],
+)
+def test_protocol_is_read_from_the_first_tag_send_table(message_bytes: int, protocol: str) -> None:
+    assert load_bench().tag_send_protocol(PROTO_INFO, message_bytes) == protocol
+
+
+def test_no_table_no_protocol() -> None:
+    assert load_bench().tag_send_protocol("Final: 32 0.050 165.969", 1 << 20) is None
