@@ -25,7 +25,7 @@ from transfer.agent import (
     TransferStatus,
 )
 from transfer.offer_book import OfferBook
-from transfer.pages import PageRun, RegionTable, check_page_ids, checksum_runs, plan_runs
+from transfer.pages import PageRun, RegionTable, checksum_runs, plan_pull
 
 _TICK_S = 0.005
 
@@ -112,9 +112,7 @@ class LoopbackTransferAgent(TransferAgent):
             lambda: self._end_pull(transfer_id, TransferStatus.CANCELLED, "cancelled by the puller"),
         )
         try:
-            destination = self._regions.get(dst_region)
-            check_page_ids(dst_page_ids, destination, dst_region)
-            runs = plan_runs(src_page_ids, dst_page_ids)
+            destination, runs = plan_pull(self._regions, dst_region, src_page_ids, dst_page_ids, checksum)
         except TransferError as error:
             handle._finish(TransferStatus.FAILED, str(error))
             return handle

@@ -91,3 +91,17 @@ class RegionTable:
         if region is None:
             raise TransferError(f"unknown region {name!r}")
         return region
+
+
+def plan_pull(
+    regions: RegionTable, dst_region: str, src_page_ids: list[int], dst_page_ids: list[int], checksum: bool
+) -> tuple[MemoryRegion, list[PageRun]]:
+    """The puller's checks before anything is sent (both agents): the destination region and its
+    pages exist, the page lists pair up, a checksum is only asked of host memory. Raises
+    TransferError naming what is wrong; returns the destination region and the runs to move."""
+    destination = regions.get(dst_region)
+    check_page_ids(dst_page_ids, destination, dst_region)
+    runs = plan_runs(src_page_ids, dst_page_ids)
+    if checksum and destination.device != "cpu":
+        raise TransferError("checksum is only supported for host memory")
+    return destination, runs

@@ -43,7 +43,7 @@ from transfer.agent import (
 from transfer.control import Connection, ControlMessage, MessageKind, ProtocolError
 from transfer.net_devices import interface_of
 from transfer.offer_book import OfferBook
-from transfer.pages import RegionTable, check_page_ids, plan_runs
+from transfer.pages import RegionTable, plan_pull
 from transfer.ucx_binding import UcxBinding, load_binding
 from transfer.ucx_endpoints import EndpointPool
 from transfer.ucx_lanes import ReceiveLane
@@ -150,11 +150,7 @@ class UcxTransferAgent(TransferAgent):
         handle = PullHandle(transfer_id, 0, lambda: self._call_in_loop(lambda: self._cancel_pull(handle)))
         try:
             self._check_open()
-            destination = self._regions.get(dst_region)
-            check_page_ids(dst_page_ids, destination, dst_region)
-            runs = plan_runs(src_page_ids, dst_page_ids)
-            if checksum and destination.device != "cpu":
-                raise TransferError("checksum is only supported for host memory")
+            destination, runs = plan_pull(self._regions, dst_region, src_page_ids, dst_page_ids, checksum)
         except TransferError as error:
             handle._finish(TransferStatus.FAILED, str(error))
             return handle

@@ -8,7 +8,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from transfer import LoopbackHub, LoopbackTransferAgent, MemoryRegion, TransferAgent, TransferStatus
+from transfer import (
+    LoopbackHub,
+    LoopbackTransferAgent,
+    MemoryRegion,
+    TransferAgent,
+    TransferStatus,
+    UcxTransferAgent,
+)
 
 PAGE_BYTES = 4096
 NUM_PAGES = 64
@@ -143,3 +150,32 @@ def test_many_concurrent_pulls(sides: tuple[Side, Side, LoopbackHub]) -> None:
     ]
     assert all(handle.wait(5.0) is TransferStatus.DONE for handle in handles)
     assert np.array_equal(puller.pool[::-1], holder.pool)
+
+
+@pytest.mark.parametrize("kind", ["loopback", "ucx"])
+@pytest.mark.parametrize(
+    "dst_region, src_pages, dst_pages, checksum, expected_text",
+    [
+        ("nope", [0], [0], False, "nope"),
+        ("kv", [0, 1], [0], False, "2 source pages but 1 destination pages"),
+        ("kv", [0], [NUM_PAGES], False, "outside region"),
+        ("gpu", [0], [0], True, "checksum is only supported for host memory"),
+    ],
+)
+def test_puller_refuses_a_bad_pull_before_anything_is_sent(
+    kind: str, dst_region: str, src_pages: list[int], dst_pages: list[int], checksum: bool, expected_text: str
+) -> None:
+    """Both agents run the same checks on the puller's side: the handle comes back FAILED at once,
+    naming the problem, and nothing is reserved."""
+    agent: TransferAgent = LoopbackTransferAgent(LoopbackHub()) if kind == "loopback" else UcxTransferAgent()
+    try:
+        pool = np.zeros((NUM_PAGES, PAGE_BYTES), dtype=np.uint8)
+        agent.register("kv", MemoryRegion(pool.ctypes.data, PAGE_BYTES, NUM_PAGES))
+        agent.register("gpu", MemoryRegion(1 << 40, PAGE_BYTES, NUM_PAGES, device="cuda:0"))
+        handle = agent.pull("127.0.0.1:9", "t", "s", "kv", src_pages, dst_region, dst_pages, 5.0, checksum)
+        assert handle.status is TransferStatus.FAILED
+        assert expected_text in (handle.error or ""), handle.error
+        stats = agent.stats()
+        assert (stats.num_in_flight, stats.reserved_bytes) == (0, 0)
+    finally:
+        agent.close()
