@@ -223,7 +223,11 @@ class Holder:
                 cwd=Path(__file__).resolve().parent.parent,
                 env={
                     **os.environ,
-                    "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(
+                            None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]
+                        )
+                    ),
                     "UCX_PROTO_INFO": "y",
                 },
             )
