@@ -4,8 +4,9 @@
 
 It fills a pool with `seeded_pool(seed, ...)` (so the test knows every byte without reading it back),
 registers it as "kv", prints {"address": ...} and then answers one JSON line per command. Commands:
-offer, revoke, stats, events, close, and two fault injections that act the moment a pull of ours is
-being served: revoke_when_serving and die_when_serving (SIGKILL, mid-transfer).
+offer, revoke, stats, events, close, two fault injections that act the moment a pull of ours is
+being served: revoke_when_serving and die_when_serving (SIGKILL, mid-transfer), and
+pull_then_die, which pulls from another agent and SIGKILLs itself once that holder has accepted.
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ def _when_serving(agent: TransferAgent, action: Any) -> None:
     action()
 
 
+def _die_once_accepted(handle: Any) -> None:
+    deadline = time.monotonic() + 20.0
+    while handle.status is TransferStatus.PENDING and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _serve(arguments: argparse.Namespace) -> None:
     # Answers go to the original stdout; UCX may log there (UCX_PROTO_INFO=y), so send fd 1 to stderr.
     answers = os.fdopen(os.dup(1), "w")
@@ -129,6 +137,21 @@ def _serve(arguments: argparse.Namespace) -> None:
         elif op == "die_when_serving":
             kill_self = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
             threading.Thread(target=_when_serving, args=(agent, kill_self), daemon=True).start()
+            answer({"ok": True})
+        elif op == "pull_then_die":
+            # Pulls from another agent into our own pool and SIGKILLs this process as soon as the
+            # holder has accepted (its sends are posted): a puller dying mid-transfer.
+            handle = agent.pull(
+                command["address"],
+                command["transfer_id"],
+                command["secret"],
+                "kv",
+                command["src_page_ids"],
+                "kv",
+                command["dst_page_ids"],
+                10.0,
+            )
+            threading.Thread(target=_die_once_accepted, args=(handle,), daemon=True).start()
             answer({"ok": True})
         elif op == "stats":
             stats = agent.stats()

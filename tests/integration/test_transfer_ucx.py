@@ -313,6 +313,53 @@ def test_sender_killed_mid_transfer_fails_within_bound(large: tuple[LocalSide, P
     assert_idle(local, None)
 
 
+def test_puller_killed_mid_transfer_fails_within_bound_and_frees_the_holder() -> None:
+    """This process holds 128 MiB; a helper pulls it and dies the moment the holder has accepted.
+    The holder's transfer must end FAILED within its bound (the control connection's end of
+    stream), its pages be released, and the holder go on serving."""
+    holder = LocalSide(128, 1 << 20)
+    holder.pool[:] = seeded_pool(SEED, 128, 1 << 20)
+    ended: list[TransferStatus] = []
+    puller = None
+    try:
+        for attempt in range(3):
+            puller = PeerProcess(128, 1 << 20, seed=attempt)
+            offer = holder.agent.offer("kv", list(range(128)), 30.0, lambda _, status: ended.append(status))
+            start = time.monotonic()
+            puller.call(
+                "pull_then_die",
+                address=offer.address,
+                transfer_id=offer.transfer_id,
+                secret=offer.secret,
+                src_page_ids=list(range(128)),
+                dst_page_ids=list(range(127, -1, -1)),
+            )
+            assert puller.process.wait(timeout=20.0) == -signal.SIGKILL
+            deadline = time.monotonic() + 5.0
+            while len(ended) <= attempt and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert ended[attempt:] == [TransferStatus.FAILED]  # not DONE: it died before its DONE
+            assert time.monotonic() - start < 5.0
+            assert_idle(holder, None)
+        # The holder still serves: a healthy puller gets every byte.
+        puller = PeerProcess(128, 1 << 20, seed=99)
+        local = LocalSide(8, 1 << 20)
+        try:
+            offer = holder.agent.offer("kv", [5, 6, 7], 30.0)
+            handle = local.agent.pull(
+                offer.address, offer.transfer_id, offer.secret, "kv", [5, 6, 7], "kv", [0, 1, 2], 10.0
+            )
+            assert handle.wait(10.0) is TransferStatus.DONE, handle.error
+            assert np.array_equal(local.pool[:3], holder.pool[5:8])
+        finally:
+            local.agent.close()
+        assert_idle(holder, None)
+    finally:
+        holder.agent.close()
+        if puller is not None:
+            puller.kill()
+
+
 @pytest.mark.parametrize("cancelling_side", ["puller", "holder"])
 def test_cancel_from_either_side_frees_both(
     large: tuple[LocalSide, PeerProcess], cancelling_side: str
