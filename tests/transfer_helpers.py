@@ -34,7 +34,7 @@ def seeded_pool(seed: int, num_pages: int, page_bytes: int) -> np.ndarray:
 class PeerProcess:
     """The test side of a helper process: start it, call it, and kill it by pid whatever happens."""
 
-    def __init__(self, num_pages: int, page_bytes: int, seed: int) -> None:
+    def __init__(self, num_pages: int, page_bytes: int, seed: int, device: str = "cpu") -> None:
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -46,6 +46,8 @@ class PeerProcess:
                 str(page_bytes),
                 "--seed",
                 str(seed),
+                "--device",
+                device,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -106,8 +108,16 @@ def _serve(arguments: argparse.Namespace) -> None:
     os.dup2(2, 1)
 
     pool = seeded_pool(arguments.seed, arguments.num_pages, arguments.page_bytes)
+    address = pool.ctypes.data
+    if arguments.device != "cpu":  # the same bytes in device memory (tests/gpu)
+        import torch
+
+        device_pool = torch.from_numpy(pool).to(arguments.device)
+        address = device_pool.data_ptr()
     agent = UcxTransferAgent()
-    agent.register("kv", MemoryRegion(pool.ctypes.data, arguments.page_bytes, arguments.num_pages))
+    agent.register(
+        "kv", MemoryRegion(address, arguments.page_bytes, arguments.num_pages, device=arguments.device)
+    )
     events: list[tuple[str, str]] = []
     offers: list[str] = []
 
@@ -175,4 +185,5 @@ if __name__ == "__main__":
     parser.add_argument("--num-pages", type=int, required=True)
     parser.add_argument("--page-bytes", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--device", default="cpu", help="where the pool lives: cpu or cuda:N")
     _serve(parser.parse_args())
