@@ -5,8 +5,8 @@
 It fills a pool with `seeded_pool(seed, ...)` (so the test knows every byte without reading it back),
 registers it as "kv", prints {"address": ...} and then answers one JSON line per command. Commands:
 offer, revoke, stats, events, close, two fault injections that act the moment a pull of ours is
-being served: revoke_when_serving and die_when_serving (SIGKILL, mid-transfer), and
-pull_then_die, which pulls from another agent and SIGKILLs itself once that holder has accepted.
+being served: revoke_when_serving and die_when_serving (SIGKILL, mid-transfer); and, as a puller,
+pull (answers how it ended) and pull_then_die (SIGKILLs itself once the holder has accepted).
 """
 
 from __future__ import annotations
@@ -148,6 +148,21 @@ def _serve(arguments: argparse.Namespace) -> None:
             kill_self = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
             threading.Thread(target=_when_serving, args=(agent, kill_self), daemon=True).start()
             answer({"ok": True})
+        elif op == "pull":
+            # Pulls from another agent into our own pool and answers how it ended.
+            handle = agent.pull(
+                command["address"],
+                command["transfer_id"],
+                command["secret"],
+                "kv",
+                command["src_page_ids"],
+                "kv",
+                command["dst_page_ids"],
+                command.get("timeout_s", 10.0),
+                checksum=command.get("checksum", False),
+            )
+            status = handle.wait(command.get("timeout_s", 10.0) + 1.0)
+            answer({"status": status.name, "error": handle.error})
         elif op == "pull_then_die":
             # Pulls from another agent into our own pool and SIGKILLs this process as soon as the
             # holder has accepted (its sends are posted): a puller dying mid-transfer.
@@ -161,8 +176,8 @@ def _serve(arguments: argparse.Namespace) -> None:
                 command["dst_page_ids"],
                 10.0,
             )
+            answer({"ok": True})  # first: the kill may come at once
             threading.Thread(target=_die_once_accepted, args=(handle,), daemon=True).start()
-            answer({"ok": True})
         elif op == "stats":
             stats = agent.stats()
             answer(
