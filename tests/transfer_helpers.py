@@ -95,6 +95,21 @@ def _when_serving(agent: TransferAgent, action: Any) -> None:
     action()
 
 
+def _pull_into_pool(agent: TransferAgent, command: dict[str, Any]) -> Any:
+    """A pull from the agent named in `command` into our own pool ("kv")."""
+    return agent.pull(
+        command["address"],
+        command["transfer_id"],
+        command["secret"],
+        "kv",
+        command["src_page_ids"],
+        "kv",
+        command["dst_page_ids"],
+        command.get("timeout_s", 10.0),
+        checksum=command.get("checksum", False),
+    )
+
+
 def _die_once_accepted(handle: Any) -> None:
     deadline = time.monotonic() + 20.0
     while handle.status is TransferStatus.PENDING and time.monotonic() < deadline:
@@ -150,32 +165,13 @@ def _serve(arguments: argparse.Namespace) -> None:
             answer({"ok": True})
         elif op == "pull":
             # Pulls from another agent into our own pool and answers how it ended.
-            handle = agent.pull(
-                command["address"],
-                command["transfer_id"],
-                command["secret"],
-                "kv",
-                command["src_page_ids"],
-                "kv",
-                command["dst_page_ids"],
-                command.get("timeout_s", 10.0),
-                checksum=command.get("checksum", False),
-            )
+            handle = _pull_into_pool(agent, command)
             status = handle.wait(command.get("timeout_s", 10.0) + 1.0)
             answer({"status": status.name, "error": handle.error})
         elif op == "pull_then_die":
-            # Pulls from another agent into our own pool and SIGKILLs this process as soon as the
-            # holder has accepted (its sends are posted): a puller dying mid-transfer.
-            handle = agent.pull(
-                command["address"],
-                command["transfer_id"],
-                command["secret"],
-                "kv",
-                command["src_page_ids"],
-                "kv",
-                command["dst_page_ids"],
-                10.0,
-            )
+            # The same, but SIGKILLs this process as soon as the holder has accepted (its sends are
+            # posted): a puller dying mid-transfer.
+            handle = _pull_into_pool(agent, command)
             answer({"ok": True})  # first: the kill may come at once
             threading.Thread(target=_die_once_accepted, args=(handle,), daemon=True).start()
         elif op == "stats":
