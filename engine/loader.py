@@ -1,23 +1,29 @@
-"""Builds a LlamaModel from a local Hugging Face directory, or the embedded `tiny` model.
+"""Builds a LlamaModel from what `--model` names (engine/model_source.py).
 
-A directory holds `config.json`, one or more `*.safetensors` (sharded through
-`model.safetensors.index.json` or not) and optionally `tokenizer.json`. `tiny` needs no files:
+A Hugging Face directory holds `config.json`, one or more `*.safetensors` (sharded through
+`model.safetensors.index.json` or not) and optionally `tokenizer.json`. A GGUF file carries config,
+weights, tokenizer and chat template in one (engine/gguf_checkpoint.py). `tiny` needs no files:
 its weights come from a fixed seed on the CPU generator, so every process builds the same bits.
+Loading logs its progress, its time and the process's resident memory through `logging`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from engine.gguf_checkpoint import GGUFCheckpoint
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
+from engine.model_source import ModelFormat, resolve_model_source
 from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-TINY_MODEL_NAME = "tiny"
+logger = logging.getLogger(__name__)
 TINY_SEED = 1234
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -55,22 +61,58 @@ def load_model(
     name_or_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
 ) -> tuple[LlamaModel, ModelConfig, Tokenizer]:
     torch_dtype = resolve_dtype(dtype)
-    if str(name_or_dir) == TINY_MODEL_NAME:
+    source = resolve_model_source(name_or_dir)
+    started = time.monotonic()
+    if source.is_tiny:
         config = tiny_model_config()
         model = build_tiny_model(config)
         tokenizer: Tokenizer = ByteTokenizer()
+    elif source.format is ModelFormat.GGUF:
+        assert source.path is not None
+        logger.info("loading %s (GGUF) as %s", source.path, torch_dtype)
+        checkpoint = GGUFCheckpoint.open(source.path)
+        config, tokenizer = checkpoint.config, checkpoint.tokenizer()
+        state = checkpoint.state_dict(torch_dtype, lambda message: logger.info("%s", message))
+        model = _build_model(config, state, str(source.path))
     else:
-        model_dir = Path(name_or_dir)
-        config_file = model_dir / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(
-                f"model {str(name_or_dir)!r}: no config.json in {model_dir} (and not 'tiny')"
-            )
-        config = ModelConfig.from_file(config_file)
-        model = build_model_from_checkpoint(config, model_dir)
-        tokenizer = load_tokenizer(model_dir, config.bos_token_id, config.eos_token_id)
+        assert source.path is not None
+        config = ModelConfig.from_file(source.path / "config.json")
+        model = build_model_from_checkpoint(config, source.path)
+        tokenizer = load_tokenizer(source.path, config.bos_token_id, config.eos_token_id)
     model = model.to(dtype=torch_dtype, device=device).eval()
+    if not source.is_tiny:
+        num_parameters = sum(parameter.numel() for parameter in model.parameters())
+        logger.info(
+            "model loaded: %.1fM parameters, %s, in %.1f s; resident memory %.0f MiB",
+            num_parameters / 1e6, torch_dtype, time.monotonic() - started, resident_memory_mib(),
+        )  # fmt: skip
     return model, config, tokenizer
+
+
+def load_model_tokenizer(name_or_dir: str | Path) -> Tokenizer:
+    """The tokenizer alone (the coordinator's need): no weights are read or de-quantized."""
+    source = resolve_model_source(name_or_dir)
+    if source.is_tiny:
+        return ByteTokenizer()
+    assert source.path is not None
+    if source.format is ModelFormat.GGUF:
+        return GGUFCheckpoint.open(source.path).tokenizer()
+    config = ModelConfig.from_file(source.path / "config.json")
+    return load_tokenizer(source.path, config.bos_token_id, config.eos_token_id)
+
+
+def resident_memory_mib() -> float:
+    """This process's resident set now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build_tiny_model(config: ModelConfig) -> LlamaModel:
@@ -95,7 +137,10 @@ def build_tiny_model(config: ModelConfig) -> LlamaModel:
 
 
 def build_model_from_checkpoint(config: ModelConfig, model_dir: Path) -> LlamaModel:
-    state = _read_checkpoint(model_dir)
+    return _build_model(config, _read_checkpoint(model_dir), f"checkpoint in {model_dir}")
+
+
+def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], where: str) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = set(model.state_dict())
@@ -105,14 +150,12 @@ def build_model_from_checkpoint(config: ModelConfig, model_dir: Path) -> LlamaMo
         expected.discard("lm_head.weight")
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint in {model_dir} does not match the config: missing {missing}, unexpected {unexpected}"
-        )
+        raise ValueError(f"{where} does not match the config: missing {missing}, unexpected {unexpected}")
     for name, tensor in state.items():
         expected_shape = tuple(model.get_parameter(name).shape)
         if tuple(tensor.shape) != expected_shape:
             raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, config says {expected_shape}"
+                f"{where}: tensor {name} has shape {tuple(tensor.shape)}, config says {expected_shape}"
             )
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

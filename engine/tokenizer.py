@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 from tokenizers import Tokenizer as RawTokenizer
 
+from engine.chat_template import ChatTemplate
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -24,6 +26,9 @@ class Tokenizer(Protocol):
 
     @property
     def eos_token_id(self) -> int | None: ...
+
+    @property
+    def chat_template(self) -> ChatTemplate | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -52,6 +57,10 @@ class ByteTokenizer:
     def eos_token_id(self) -> int | None:
         return self.EOS_TOKEN_ID
 
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return None
+
     def encode(self, text: str) -> list[int]:
         # No BOS is added: encode/decode round-trips, and callers that want one prepend it.
         return list(text.encode("utf-8"))
@@ -65,10 +74,17 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizer.json`; special tokens are added on encode as the file's post-processor says."""
 
-    def __init__(self, tokenizer: RawTokenizer, bos_token_id: int | None, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer: RawTokenizer,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id
+        self._chat_template = chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -81,6 +97,10 @@ class HFTokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._chat_template
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text).ids)
@@ -99,17 +119,21 @@ def load_tokenizer(model_dir: str | Path, bos_token_id: int | None, eos_token_id
     if not tokenizer_file.is_file():
         return ByteTokenizer()
     raw = RawTokenizer.from_file(str(tokenizer_file))
-    bos_text, eos_text = _special_token_texts(model_dir / "tokenizer_config.json")
+    bos_text, eos_text, template = _tokenizer_config(model_dir / "tokenizer_config.json")
     if bos_token_id is None and bos_text is not None:
         bos_token_id = raw.token_to_id(bos_text)
     if eos_token_id is None and eos_text is not None:
         eos_token_id = raw.token_to_id(eos_text)
-    return HFTokenizer(raw, bos_token_id, eos_token_id)
+    bos_text = raw.id_to_token(bos_token_id) if bos_token_id is not None else bos_text
+    eos_text = raw.id_to_token(eos_token_id) if eos_token_id is not None else eos_text
+    chat_template = ChatTemplate(template, bos_text, eos_text) if template else None
+    return HFTokenizer(raw, bos_token_id, eos_token_id, chat_template)
 
 
-def _special_token_texts(path: Path) -> tuple[str | None, str | None]:
+def _tokenizer_config(path: Path) -> tuple[str | None, str | None, str | None]:
+    """(bos text, eos text, chat template) from `tokenizer_config.json`."""
     if not path.is_file():
-        return None, None
+        return None, None, None
     with open(path, encoding="utf-8") as file:
         raw = json.load(file)
 
@@ -120,4 +144,9 @@ def _special_token_texts(path: Path) -> tuple[str | None, str | None]:
             return content if isinstance(content, str) else None
         return value if isinstance(value, str) else None
 
-    return text(raw.get("bos_token")), text(raw.get("eos_token"))
+    template = raw.get("chat_template")
+    return (
+        text(raw.get("bos_token")),
+        text(raw.get("eos_token")),
+        template if isinstance(template, str) else None,
+    )

