@@ -1,10 +1,11 @@
 """`beamsplit demo`: the whole disaggregated service on loopback, checked against the aggregated run.
 
 Starts a context worker, a generation worker, a coordinator and an aggregated server as separate
-processes (`--model tiny`, float64 so that parity is exact), sends a few prompts through the
-coordinator and the same prompts to the aggregated server, prints every beam with its stats and
-whether it equals the aggregated beam, then stops everything by pid. Exit status 0 only when
-every beam matched, every KV pool is back to zero blocks in use and every server exited cleanly.
+processes (SmolLM2-135M-Instruct by default, float64 so that parity is exact; `--model tiny` for the
+fast random model), sends a few prompts through the coordinator and the same prompts to the
+aggregated server, prints every beam's text with its stats and whether it equals the aggregated
+beam, then stops everything by pid. Exit status 0 only when every beam matched, every KV pool is
+back to zero blocks in use and every server exited cleanly.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ import argparse
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from beamsplit.output import beam_record, format_result
 
-ALIGNED_PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps."[:64]
-UNALIGNED_PROMPT = "Disaggregated inference ships the prompt's KV pages exactly once, ok?"[:67]
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+BLOCK_SIZE = 32
 MAX_SCORE_DIFFERENCE = 1e-9  # float64: beams must agree far below any score gap
 SHOWN_STATS = (
     "prompt_tokens", "context_reused_tokens", "generation_reused_tokens", "transferred_blocks",
@@ -32,14 +38,30 @@ class DemoCase:
     title: str
     prompt: str
     beam_width: int
+    is_chat: bool = False  # the prompt is a user message, sent through the model's chat template
 
 
-CASES = (
-    DemoCase("block-aligned prompt (64 tokens), beam width 1", ALIGNED_PROMPT, 1),
-    DemoCase("unaligned prompt (67 tokens), beam width 2", UNALIGNED_PROMPT, 2),
-    DemoCase("block-aligned prompt (64 tokens) again, beam width 4", ALIGNED_PROMPT, 4),
-    DemoCase("unaligned prompt repeated, beam width 2 (reuse on both sides)", UNALIGNED_PROMPT, 2),
-)
+PACIFIC = (
+    "The Pacific Ocean is the largest and deepest of the Earth's oceans. It stretches from the Arctic "
+    "in the north to the Southern Ocean in the south, and it"
+)  # 32 SmolLM2 tokens: exactly one block
+PHOTOSYNTHESIS = (
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to "
+    "make their own food. The main product of this process is"
+)  # 29 tokens: one partial block
+REAL_MODEL_CASES = (
+    DemoCase("plain text, beam width 1", PACIFIC, 1),
+    DemoCase("chat message, beam width 2", "What is the capital of France?", 2, is_chat=True),
+    DemoCase("plain text, beam width 4", PHOTOSYNTHESIS, 4),
+    DemoCase("the chat message again, beam width 4 (prefix reuse on both sides)", "What is the capital of France?", 4, is_chat=True),
+)  # fmt: skip
+# `tiny` is byte-level: one token per byte.
+TINY_CASES = (
+    DemoCase("plain text, beam width 1", "The quick brown fox jumps over the lazy dog while the cat sleeps."[:64], 1),
+    DemoCase("plain text, beam width 2", "Disaggregated inference ships the prompt's KV pages exactly once, ok?"[:67], 2),
+    DemoCase("plain text again, beam width 4", "The quick brown fox jumps over the lazy dog while the cat sleeps."[:64], 4),
+    DemoCase("plain text repeated, beam width 2 (prefix reuse on both sides)", "Disaggregated inference ships the prompt's KV pages exactly once, ok?"[:67], 2),
+)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--max-new-tokens", type=int, default=12, help="per request (default: 12)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"what every server loads: {DEFAULT_MODEL} (SmolLM2-135M-Instruct, real text) or tiny "
+        f"(random weights, fastest), or any --model value of `serve` (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="per request (default: 16)")
     parser.add_argument(
         "--dtype",
         default="float64",
@@ -74,18 +102,39 @@ def _say(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from beamsplit.local_cluster import start_local_cluster
+    from engine.loader import load_model_tokenizer
+    from engine.model_source import resolve_model_source
 
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="beamsplit-demo-"))
-    engine_arguments = ["--model", "tiny", "--dtype", args.dtype, "--tokens-per-block", "32"]
-    _say(f"server logs in {log_dir}")
     try:
-        cluster = start_local_cluster(log_dir, engine_arguments, _say, args.startup_timeout_s)
-    except RuntimeError as error:
-        _say(f"could not start the servers: {error}")
+        resolve_model_source(args.model)  # a missing model is named before any server starts
+    except FileNotFoundError as error:
+        _say(str(error))
         return 1
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="beamsplit-demo-"))
+    engine_arguments = [
+        "--model", args.model, "--dtype", args.dtype, "--tokens-per-block", str(BLOCK_SIZE), "--num-blocks", "128",
+    ]  # fmt: skip
+    _say(f"model {args.model}, {args.dtype}; server logs in {log_dir}")
+    # The demo's own tokenizer (prompt lengths, chat template) loads while the servers start.
+    with ThreadPoolExecutor(max_workers=1) as loader:
+        tokenizer_future = loader.submit(load_model_tokenizer, args.model)
+        try:
+            cluster = start_local_cluster(log_dir, engine_arguments, _say, args.startup_timeout_s)
+        except RuntimeError as error:
+            _say(f"could not start the servers: {error}")
+            return 1
+    try:
+        tokenizer = tokenizer_future.result()
+    except (OSError, ValueError) as error:
+        _say(f"cannot load the tokenizer of {args.model!r}: {error}")
+        cluster.stop()
+        return 1
+    cases = TINY_CASES if tokenizer.chat_template is None else REAL_MODEL_CASES
     is_ok = False
     try:
-        is_ok = _run_cases(cluster.coordinator.address, cluster.aggregated.address, args.max_new_tokens)
+        is_ok = _run_cases(
+            cluster.coordinator.address, cluster.aggregated.address, cases, tokenizer, args.max_new_tokens
+        )
         time.sleep(0.3)  # the engine loops publish occupancy after their next iteration
         blocks = cluster.blocks_in_use()
         _say(
@@ -105,7 +154,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if is_ok else 1
 
 
-def _run_cases(coordinator_address: str, aggregated_address: str, max_new_tokens: int) -> bool:
+def _run_cases(
+    coordinator_address: str,
+    aggregated_address: str,
+    cases: tuple[DemoCase, ...],
+    tokenizer: Tokenizer,
+    max_new_tokens: int,
+) -> bool:
     from beamsplit.client import BeamsplitClient, build_request
     from beamsplit.v1 import common_pb2
 
@@ -114,12 +169,21 @@ def _run_cases(coordinator_address: str, aggregated_address: str, max_new_tokens
         BeamsplitClient(coordinator_address) as coordinator,
         BeamsplitClient(aggregated_address) as aggregated,
     ):
-        for index, case in enumerate(CASES, start=1):
+        for index, case in enumerate(cases, start=1):
             sampling = common_pb2.SamplingOptions(beam_width=case.beam_width, max_new_tokens=max_new_tokens)
-            request = build_request(prompt=case.prompt, sampling=sampling)
+            if case.is_chat:
+                assert tokenizer.chat_template is not None
+                text = tokenizer.chat_template.render([{"role": "user", "content": case.prompt}])
+                token_ids = tokenizer.encode(text)  # the template's special tokens stay whole
+                request = build_request(token_ids=token_ids, sampling=sampling)
+            else:
+                token_ids = tokenizer.encode(case.prompt)
+                request = build_request(prompt=case.prompt, sampling=sampling)
+            started = time.monotonic()
             result = coordinator.generate(request, timeout_s=120.0)
             reference = aggregated.generate(request, timeout_s=120.0)
-            print(f"\n=== {index}. {case.title}\n    prompt: {case.prompt!r}", flush=True)
+            print(f"\n=== {index}. {case.title}, {_describe_length(len(token_ids))}", flush=True)
+            print(f"    {'user message' if case.is_chat else 'prompt'}: {case.prompt!r}", flush=True)
             records = [beam_record(beam, text) for beam, text in zip(result.beams, result.texts, strict=True)]
             stats = {name: result.stats[name] for name in SHOWN_STATS}
             print(_indent(format_result(records, stats, as_json=False)), flush=True)
@@ -128,7 +192,8 @@ def _run_cases(coordinator_address: str, aggregated_address: str, max_new_tokens
             verdict = "equal" if matches else "DIFFERENT"
             print(
                 f"    parity with the aggregated server: {verdict} "
-                f"({len(result.beams)} beams, token ids identical: {matches}, max |score diff| {worst:.1e})",
+                f"({len(result.beams)} beams, token ids identical: {matches}, max |score diff| {worst:.1e}; "
+                f"both runs {time.monotonic() - started:.1f} s)",
                 flush=True,
             )
     print(flush=True)
@@ -150,11 +215,22 @@ def _compare(beams: list, reference: list) -> tuple[bool, float]:  # type: ignor
     return worst <= MAX_SCORE_DIFFERENCE, worst
 
 
+def _describe_length(num_tokens: int) -> str:
+    full, rest = divmod(num_tokens, BLOCK_SIZE)
+    if rest == 0:
+        return f"{num_tokens} tokens = {full} full block{'s' if full > 1 else ''} of {BLOCK_SIZE}"
+    return f"{num_tokens} tokens = {full} full + 1 partial block of {BLOCK_SIZE}"
+
+
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
 if __name__ == "__main__":
     sys.exit(
-        run(argparse.Namespace(max_new_tokens=12, dtype="float64", startup_timeout_s=180.0, log_dir=None))
+        run(
+            argparse.Namespace(
+                model=DEFAULT_MODEL, max_new_tokens=16, dtype="float64", startup_timeout_s=180.0, log_dir=None
+            )
+        )
     )

@@ -124,6 +124,20 @@ def run_until_signalled(grpc_server: GrpcServer, cleanup: Callable[[], None], gr
     return 0
 
 
+# A channel to a peer that is still starting retries with gRPC's default backoff (1 s growing 1.6x to
+# 120 s), so after a 30 s model load it may not look again for another 15 s. Peers retry sooner.
+PEER_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def peer_channel(address: str) -> grpc.Channel:
+    """An insecure channel to another beamsplit process, reconnecting within a second of it listening."""
+    return grpc.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
+
+
 def check_health(channel: grpc.Channel, timeout_s: float) -> bool:
     """True when the server answers SERVING within `timeout_s`."""
     stub = health_pb2_grpc.HealthStub(channel)
@@ -137,7 +151,7 @@ def check_health(channel: grpc.Channel, timeout_s: float) -> bool:
 def wait_until_healthy(address: str, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> bool:
     """Polls the health service of `address` until SERVING, the bound, or `is_alive()` is false."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with peer_channel(address) as channel:
         while time.monotonic() < deadline:
             if is_alive is not None and not is_alive():
                 return False

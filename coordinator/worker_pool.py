@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from beamsplit.server_common import check_health
+from beamsplit.server_common import check_health, peer_channel
 from beamsplit.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class WorkerPool:
     def __post_init__(self) -> None:
         self.workers = []
         for address in self.addresses:
-            channel = grpc.insecure_channel(address)
+            channel = peer_channel(address)
             self.workers.append(WorkerHandle(address, channel, self.stub_factory(channel)))
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)

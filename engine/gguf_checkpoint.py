@@ -95,9 +95,9 @@ class GGUFCheckpoint:
         started, num_tensors = time.monotonic(), len(self.reader.tensors)
         for index, tensor in enumerate(self.reader.tensors, start=1):
             name = _engine_name(self.path, tensor.name)
-            values = torch.from_numpy(
-                np.require(dequantize(tensor.data, tensor.tensor_type), requirements=("C", "W"))
-            )
+            # np.asarray drops the memmap subclass, whose per-row slicing overhead doubled de-quantization.
+            floats = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            values = torch.from_numpy(np.require(floats, requirements=("C", "W")))
             if name.endswith("q_proj.weight"):
                 values = _undo_rotary_interleave(values, self.config.num_attention_heads)
             elif name.endswith("k_proj.weight"):

@@ -150,7 +150,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit weight skips nn.Embedding's random init: every loader overwrites it, and on the
+        # meta device that init's first call costs over a second of lazy imports.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)

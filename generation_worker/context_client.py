@@ -11,6 +11,7 @@ import threading
 
 import grpc
 
+from beamsplit.server_common import peer_channel
 from beamsplit.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class ContextClient:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address)
+                channel = peer_channel(address)
                 self._channels[address] = channel
         return worker_pb2_grpc.ContextWorkerStub(channel)
 

@@ -12,7 +12,6 @@ pool back to zero blocks in use.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from tests.helpers.checkpoints import write_random_llama_checkpoint
+from tests.helpers.hf_reference import ReferenceBeam, reference_beams
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,38 +110,10 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, R
 
 def reference_generate(
     model: torch.nn.Module, prompt: list[int], case: Case, eos_token_id: int | None
-) -> list[tuple[list[int], float, bool]]:
-    """transformers' beams: (generated tokens cut after the first eos, score, stopped on eos)."""
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = eos_token_id
-    config.pad_token_id = 0
-    config.max_new_tokens = MAX_NEW_TOKENS
-    config.num_beams = case.beam_width
-    config.num_return_sequences = case.beam_width
-    config.length_penalty = case.length_penalty
-    config.early_stopping = case.early_stopping
-    config.do_sample = False
-    config.return_dict_in_generate = True
-    config.output_scores = True
-    with torch.no_grad():
-        output = model.generate(torch.tensor([prompt]), generation_config=config)
-    beams = []
-    for index in range(case.beam_width):
-        tokens = output.sequences[index, len(prompt) :].tolist()
-        stopped = eos_token_id is not None and eos_token_id in tokens
-        if stopped:
-            tokens = tokens[: tokens.index(eos_token_id) + 1]
-        if case.beam_width > 1:
-            score = float(output.sequences_scores[index])
-        else:
-            # Greedy: the summed float32 log-probs of the chosen tokens, normalised like a beam.
-            logprob = sum(
-                float(torch.log_softmax(step_scores[0].to(torch.float32), dim=-1)[token])
-                for step_scores, token in zip(output.scores, tokens, strict=False)
-            )
-            score = logprob / len(tokens) ** case.length_penalty
-        beams.append((tokens, score, stopped))
-    return beams
+) -> list[ReferenceBeam]:
+    return reference_beams(
+        model, prompt, case.beam_width, MAX_NEW_TOKENS, case.length_penalty, case.early_stopping, eos_token_id
+    )
 
 
 def pick_produced_eos(model: torch.nn.Module, prompt: list[int], case: Case, tokens: list[int]) -> int:
