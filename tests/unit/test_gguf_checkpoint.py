@@ -150,7 +150,9 @@ def test_unsupported_tensor_type_is_named(
 
 def test_unknown_tensor_is_named(checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
     path = write_gguf(
-        tmp_path / "bias.gguf", checkpoint[1], extra_tensors={"blk.0.attn_qkv.weight": np.zeros(32, np.float32)}
+        tmp_path / "bias.gguf",
+        checkpoint[1],
+        extra_tensors={"blk.0.attn_qkv.weight": np.zeros(32, np.float32)},
     )
     with pytest.raises(GGUFError, match="tensor .blk.0.attn_qkv.weight. is not part of a Llama model"):
         load_model(path, "float32", "cpu")
