@@ -31,7 +31,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument(
         "--tokens-per-block", type=int, default=32, choices=(16, 32, 64, 128), help="KV block (page) size"
     )
-    group.add_argument("--num-blocks", type=int, default=2048, help="KV pool size in blocks")
+    group.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks, exactly (default: 2048, or fewer to fit --kv-cache-gib)",
+    )
+    group.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="KV pool memory bound when --num-blocks is not given (default: 1.0 GiB)",
+    )
     group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
     )
@@ -45,6 +56,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from engine import CacheConfig, EngineConfig
 
     # Servers add --max-num-seqs and an engine --seed; the offline command keeps the defaults.
+    is_auto_sized = args.num_blocks is None
+    if is_auto_sized and not args.kv_cache_gib > 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     extra = {"max_num_seqs": args.max_num_seqs, "seed": args.seed} if hasattr(args, "max_num_seqs") else {}
     return EngineConfig(
         model=args.model,
@@ -52,7 +66,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         cache=CacheConfig(
             tokens_per_block=args.tokens_per_block,
-            num_blocks=args.num_blocks,
+            num_blocks=CacheConfig.num_blocks if is_auto_sized else args.num_blocks,
+            max_pool_bytes=int(args.kv_cache_gib * 2**30) if is_auto_sized else None,
             enable_partial_reuse=args.enable_partial_reuse,
             enable_partial_commit=args.enable_partial_commit,
         ),

@@ -7,6 +7,7 @@ errors naming the flag, so a bad argument exits with status 2 and a message that
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,8 @@ def _run_local(args: argparse.Namespace) -> int:
     from beamsplit.output import beam_record, format_result
     from engine import LLMEngine
 
+    # Loading a real model takes seconds: its progress goes to stderr, stdout keeps the result.
+    logging.basicConfig(level=logging.INFO, format="[load] %(message)s", stream=sys.stderr)
     engine = LLMEngine(engine_config_from_args(args))
     prompt_ids = args.token_ids if args.token_ids is not None else engine.tokenizer.encode(args.prompt)
     output = engine.generate(prompt_ids, sampling_params(args))

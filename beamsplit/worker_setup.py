@@ -39,6 +39,7 @@ def start_engine(config: EngineConfig, metrics: ServerMetrics) -> EngineHandle:
     from engine import LLMEngine
 
     engine = LLMEngine(config)
+    config = engine.config  # the pool size is settled once the model is loaded
     metrics.kv_blocks_total.set(config.cache.num_blocks)
     metrics.observe_engine(engine)
     loop = EngineLoop(engine, on_iteration=metrics.observe_engine)

@@ -7,7 +7,7 @@ a new config with `dataclasses.replace`. Errors name the offending field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
@@ -19,6 +19,9 @@ class CacheConfig:
     num_blocks: int = 2048
     enable_partial_reuse: bool = False
     enable_partial_commit: bool = False
+    # When set, the engine lowers num_blocks to what fits in this many bytes once the model (and so
+    # the page size) is known: a real model's 2048 pages can be gigabytes.
+    max_pool_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens_per_block not in SUPPORTED_BLOCK_SIZES:
@@ -27,6 +30,14 @@ class CacheConfig:
             )
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_pool_bytes is not None and self.max_pool_bytes < 1:
+            raise ValueError(f"max_pool_bytes must be >= 1, got {self.max_pool_bytes}")
+
+    def fitted_to(self, page_bytes: int) -> CacheConfig:
+        """This config with num_blocks lowered to fit max_pool_bytes (at least one block)."""
+        if self.max_pool_bytes is None:
+            return self
+        return replace(self, num_blocks=max(1, min(self.num_blocks, self.max_pool_bytes // page_bytes)))
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)

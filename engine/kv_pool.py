@@ -26,6 +26,15 @@ VALUE = 1
 
 
 class KVPool:
+    @staticmethod
+    def page_bytes_for(model_config: ModelConfig, tokens_per_block: int, dtype: torch.dtype) -> int:
+        """Bytes of one page (one block of every layer's keys and values) before any pool exists."""
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        return (
+            model_config.num_hidden_layers * 2 * tokens_per_block * model_config.num_key_value_heads
+            * model_config.head_dim * element_bytes
+        )  # fmt: skip
+
     def __init__(
         self,
         model_config: ModelConfig,

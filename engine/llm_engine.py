@@ -15,8 +15,9 @@ Not thread-safe: one thread owns the engine. See docs/engine.md for the request 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +31,8 @@ from engine.sampling import candidates_from_logprobs
 from engine.scheduler import Scheduler
 from engine.types import KVRegion, PrefillResult, PromptReservation, RequestOutput
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Reservation:
@@ -41,11 +44,18 @@ class _Reservation:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.cache_config = config.cache
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
-        self.kv_pool = KVPool(self.model_config, config.cache, model.dtype, config.device)
-        self.kv_cache = KVCacheManager(config.cache)
+        page_bytes = KVPool.page_bytes_for(self.model_config, config.cache.tokens_per_block, model.dtype)
+        cache_config = config.cache.fitted_to(page_bytes)
+        if cache_config.num_blocks != config.cache.num_blocks:
+            logger.info(
+                "KV pool: %d blocks of %.2f MiB fit in max_pool_bytes %d (asked for %d)",
+                cache_config.num_blocks, page_bytes / 2**20, config.cache.max_pool_bytes, config.cache.num_blocks,
+            )  # fmt: skip
+        self.config = replace(config, cache=cache_config)  # the pool size found at run time
+        self.cache_config = cache_config
+        self.kv_pool = KVPool(self.model_config, cache_config, model.dtype, config.device)
+        self.kv_cache = KVCacheManager(cache_config)
         self.runner = ModelRunner(model, self.kv_pool)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks)
         self._requests: dict[str, Request] = {}

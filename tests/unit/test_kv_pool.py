@@ -63,3 +63,27 @@ def test_copy_blocks_copies_whole_pages_and_reads_sources_first() -> None:
     for block in (0, 1, 2, 3):
         assert torch.equal(pool.data[block], before[block])
     pool.copy_blocks([])
+
+
+def test_pool_bytes_bound_lowers_the_block_count() -> None:
+    config = tiny_model_config()
+    page_bytes = KVPool.page_bytes_for(config, 16, torch.float64)
+    assert page_bytes == make_pool(torch.float64).page_bytes  # known before any pool exists
+    bounded = CacheConfig(
+        tokens_per_block=16, num_blocks=2048, max_pool_bytes=10 * page_bytes + page_bytes // 2
+    )
+    assert bounded.fitted_to(page_bytes).num_blocks == 10
+    assert CacheConfig(num_blocks=4, max_pool_bytes=10 * page_bytes).fitted_to(page_bytes).num_blocks == 4
+    assert CacheConfig(max_pool_bytes=1).fitted_to(page_bytes).num_blocks == 1
+    assert CacheConfig(num_blocks=7).fitted_to(page_bytes).num_blocks == 7  # no bound: as asked
+
+
+def test_engine_settles_its_pool_size_from_the_bound() -> None:
+    from engine import EngineConfig, LLMEngine
+
+    page_bytes = KVPool.page_bytes_for(tiny_model_config(), 32, torch.float32)
+    cache = CacheConfig(tokens_per_block=32, num_blocks=2048, max_pool_bytes=24 * page_bytes)
+    engine = LLMEngine(EngineConfig(model="tiny", cache=cache))
+    assert engine.config.cache.num_blocks == engine.kv_pool.num_blocks == 24
+    assert engine.kv_region().num_pages == 24
+    engine.check_integrity()
