@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -69,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        return int(importlib.import_module(module_name).run(args))
+        from beamsplit.worker_setup import ModelLoadError
+
+        try:
+            return int(importlib.import_module(module_name).run(args))
+        except ModelLoadError as error:  # one line, no traceback: the user named a bad file
+            print(f"[{args.role}] error: {error}", file=sys.stderr)
+            return 2
 
     return run

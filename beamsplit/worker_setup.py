@@ -35,10 +35,17 @@ class EngineHandle:
             self.loop.stop()
 
 
+class ModelLoadError(Exception):
+    """`--model` could not be loaded; the message is one line naming the file and the reason."""
+
+
 def start_engine(config: EngineConfig, metrics: ServerMetrics) -> EngineHandle:
     from engine import LLMEngine
 
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except (OSError, ValueError) as error:  # missing files, bad checkpoints, refused formats
+        raise ModelLoadError(f"cannot load --model {config.model}: {error}") from error
     config = engine.config  # the pool size is settled once the model is loaded
     metrics.kv_blocks_total.set(config.cache.num_blocks)
     metrics.observe_engine(engine)
