@@ -2,7 +2,7 @@
 
     beamsplit bench service [--json] [--quick]        (or: python bench/service.py ...)
 
-Starts (beamsplit.launcher, through local_cluster) a context worker, a generation worker, a
+Starts (beamsplit.launch.launcher, through local_cluster) a context worker, a generation worker, a
 coordinator and an aggregated server on loopback, all `--model tiny --dtype float32
 --tokens-per-block 32`, and sends the same requests (token ids, beam width W, 32 new tokens) to the
 coordinator and to the aggregated server, one at a time. Cases:
@@ -93,7 +93,7 @@ def _say(message: str) -> None:
 def _one_request(
     coordinator: Any, aggregated: Any, prompt: list[int], beam_width: int, aggregated_first: bool = False
 ) -> dict[str, Any]:
-    from beamsplit.client import build_request
+    from beamsplit.client.grpc_client import build_request
     from beamsplit.v1 import common_pb2
 
     sampling = common_pb2.SamplingOptions(beam_width=beam_width, max_new_tokens=MAX_NEW_TOKENS)
@@ -116,7 +116,7 @@ def _one_request(
 def run_cases(
     coordinator_address: str, aggregated_address: str, quick: bool, progress: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    from beamsplit.client import BeamsplitClient
+    from beamsplit.client.grpc_client import BeamsplitClient
 
     prompt_lens = QUICK_PROMPT_LENS if quick else PROMPT_LENS
     repeats = 2 if quick else 5
@@ -151,7 +151,7 @@ def run_cases(
 
 def run_benchmark(quick: bool) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
     """Rows, and the KV blocks still in use on every engine server after the run (all 0 expected)."""
-    from beamsplit.local_cluster import start_local_cluster
+    from beamsplit.launch.local_cluster import start_local_cluster
 
     log_dir = Path(tempfile.mkdtemp(prefix="beamsplit-bench-service-"))
     engine_arguments = ["--model", "tiny", "--dtype", DTYPE, "--tokens-per-block", str(BLOCK_SIZE)]

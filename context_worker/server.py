@@ -5,23 +5,23 @@ from __future__ import annotations
 import argparse
 import logging
 
-from beamsplit.engine_args import engine_config_from_args
-from beamsplit.metrics import ServerMetrics
-from beamsplit.server_common import (
+from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.server_common import (
     ShutdownGate,
     announce,
     configure_logging,
     run_until_signalled,
     start_grpc_server,
 )
-from beamsplit.v1 import worker_pb2, worker_pb2_grpc
-from beamsplit.worker_setup import (
+from beamsplit.server.worker_setup import (
     KV_REGION_NAME,
     describe_transfer_agent,
     start_engine,
     start_transfer_agent,
     worker_info,
 )
+from beamsplit.v1 import worker_pb2, worker_pb2_grpc
 from context_worker.service import ContextService
 from context_worker.servicer import ContextWorkerServicer
 

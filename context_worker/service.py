@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from beamsplit.engine_loop import EngineLoop, EngineLoopError
-from beamsplit.metrics import ServerMetrics
+from beamsplit.server.engine_loop import EngineLoop, EngineLoopError
+from beamsplit.server.metrics import ServerMetrics
 from transfer import TransferAgent, TransferStatus
 
 logger = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ import logging
 
 import grpc
 
-from beamsplit.engine_loop import EngineLoopError
-from beamsplit.metrics import ServerMetrics
-from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.server.engine_loop import EngineLoopError
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from context_worker.service import ContextService
 

@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from beamsplit.client_api_servicer import ClientApiServicer
-from beamsplit.metrics import ServerMetrics
-from beamsplit.request_validation import ModelLimits
-from beamsplit.server_common import (
+from beamsplit.server.client_api_servicer import ClientApiServicer
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.request_validation import ModelLimits
+from beamsplit.server.server_common import (
     ShutdownGate,
     announce,
     configure_logging,

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from beamsplit.request_validation import (
+from beamsplit.server.request_validation import (
     ModelLimits,
     RequestValidationError,
     ValidatedRequest,

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from beamsplit.server_common import check_health, peer_channel
+from beamsplit.server.server_common import check_health, peer_channel
 from beamsplit.v1 import common_pb2
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import threading
 
 import grpc
 
-from beamsplit.server_common import peer_channel
+from beamsplit.server.server_common import peer_channel
 from beamsplit.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)

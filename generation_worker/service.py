@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from beamsplit.engine_loop import EngineLoop, follow_stream
-from beamsplit.metrics import ServerMetrics
-from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.server.engine_loop import EngineLoop, follow_stream
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import worker_pb2
 from beamsplit.wire import ServiceError
 from engine.config import SamplingParams

@@ -7,10 +7,14 @@ from collections.abc import Iterator
 
 import grpc
 
-from beamsplit.engine_loop import EngineLoopError, RequestDroppedError
-from beamsplit.metrics import ServerMetrics
-from beamsplit.request_validation import ModelLimits, RequestValidationError, sampling_params_from_proto
-from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.server.engine_loop import EngineLoopError, RequestDroppedError
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.request_validation import (
+    ModelLimits,
+    RequestValidationError,
+    sampling_params_from_proto,
+)
+from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from beamsplit.wire import ServiceError, beams_to_proto, delta_to_proto, engine_stats_to_map
 from engine.tokenizer import Tokenizer

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from beamsplit.launcher import stop_processes
+from beamsplit.launch.launcher import stop_processes
 
 ADDRESS_A = "10.231.7.1"
 ADDRESS_B = "10.231.7.2"
@@ -281,7 +281,7 @@ class Bridge:
 def _op_healthy(address: str, timeout_s: float) -> bool:
     import grpc
 
-    from beamsplit.server_common import check_health
+    from beamsplit.server.server_common import check_health
 
     with grpc.insecure_channel(address) as channel:
         return bool(check_health(channel, timeout_s=timeout_s))
@@ -292,7 +292,7 @@ def _op_generate(
 ) -> dict[str, Any]:
     import grpc
 
-    from beamsplit.client import BeamsplitClient, build_request
+    from beamsplit.client.grpc_client import BeamsplitClient, build_request
     from beamsplit.v1 import common_pb2
 
     sampling = common_pb2.SamplingOptions(beam_width=beam_width, max_new_tokens=max_new_tokens)
@@ -315,7 +315,7 @@ def _op_generate(
 
 
 def _op_metric(url: str, name: str) -> float | None:
-    from beamsplit.metrics import read_gauge
+    from beamsplit.server.metrics import read_gauge
 
     with urllib.request.urlopen(url, timeout=5.0) as response:
         return read_gauge(response.read().decode(), name)

@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 
-from beamsplit.launcher import PortPicker
-from beamsplit.local_cluster import DEFAULT_ENGINE_ARGUMENTS
+from beamsplit.launch.launcher import PortPicker
+from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS
 from tests.netns_helpers import (
     Bridge,
     NetnsPair,

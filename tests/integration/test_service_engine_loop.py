@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from beamsplit.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
+from beamsplit.server.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
 from engine.types import RequestOutput
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from beamsplit.client import BeamsplitClient, build_request
-from beamsplit.launcher import ProcessGroup, ServerProcess
-from beamsplit.local_cluster import DEFAULT_ENGINE_ARGUMENTS
+from beamsplit.client.grpc_client import BeamsplitClient, build_request
+from beamsplit.launch.launcher import ProcessGroup, ServerProcess
+from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 LONG = common_pb2.SamplingOptions(beam_width=4, max_new_tokens=2000, ignore_eos=True)

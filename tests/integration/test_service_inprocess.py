@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from beamsplit.engine_loop import EngineLoop
-from beamsplit.metrics import ServerMetrics
-from beamsplit.server_common import ShutdownGate
+from beamsplit.server.engine_loop import EngineLoop
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.server_common import ShutdownGate
 from beamsplit.v1 import worker_pb2
 from beamsplit.wire import ServiceError
 from context_worker.service import ContextService

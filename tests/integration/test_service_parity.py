@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from beamsplit.client import BeamsplitClient, GenerateResult, build_request
-from beamsplit.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.client.grpc_client import BeamsplitClient, GenerateResult, build_request
+from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
 from beamsplit.v1 import common_pb2
 
 BLOCK = 32

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from beamsplit.client import BeamsplitClient, build_request
-from beamsplit.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.client.grpc_client import BeamsplitClient, build_request
+from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
 from beamsplit.v1 import common_pb2, coordinator_pb2
 
 TINY_VOCAB = 260

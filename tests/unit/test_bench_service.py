@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from beamsplit import bench
+from beamsplit.cli import bench
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from beamsplit.request_validation import (
+from beamsplit.server.request_validation import (
     ModelLimits,
     RequestValidationError,
     sampling_params_from_proto,

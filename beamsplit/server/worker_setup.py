@@ -9,9 +9,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from beamsplit.engine_loop import EngineLoop
-from beamsplit.metrics import ServerMetrics
-from beamsplit.request_validation import ModelLimits
+from beamsplit.server.engine_loop import EngineLoop
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.request_validation import ModelLimits
 from beamsplit.v1 import common_pb2
 from engine.config import EngineConfig
 from transfer import MemoryRegion, UcxTransferAgent

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from beamsplit.engine_args import add_engine_arguments, engine_config_from_args
+from beamsplit.cli.engine_args import add_engine_arguments, engine_config_from_args
 
 if TYPE_CHECKING:
     from engine import SamplingParams
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.target:
-        from beamsplit.remote import run_generate_remote
+        from beamsplit.client.remote import run_generate_remote
 
         return int(run_generate_remote(args) or 0)
     try:
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from beamsplit.output import beam_record, format_result
+    from beamsplit.cli.output import beam_record, format_result
     from engine import LLMEngine
 
     # Loading a real model takes seconds: its progress goes to stderr, stdout keeps the result.

@@ -1,4 +1,4 @@
-"""The `beamsplit` command line: one subcommand per job, each in its own module.
+"""The `beamsplit` command line: one subcommand per job, each in its own module of this package.
 
 Modules are imported only when their subcommand runs, so `beamsplit --help` stays fast and a
 missing optional dependency only affects the command that needs it.
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    import beamsplit.generate_args as generate_args
-    from beamsplit.help_format import DefaultsHelpFormatter
+    import beamsplit.cli.generate as generate_args
+    from beamsplit.cli.help_format import DefaultsHelpFormatter
 
     parser = subparsers.add_parser(
         "generate",
@@ -31,9 +31,9 @@ def _add_optional(subparsers: argparse._SubParsersAction, module_name: str) -> N
     import importlib
 
     try:
-        module = importlib.import_module(f"beamsplit.{module_name}")
+        module = importlib.import_module(f"beamsplit.cli.{module_name}")
     except ModuleNotFoundError as error:
-        if error.name != f"beamsplit.{module_name}":
+        if error.name != f"beamsplit.cli.{module_name}":
             raise
         return
     module.register(subparsers)
@@ -60,7 +60,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

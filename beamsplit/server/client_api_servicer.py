@@ -13,8 +13,8 @@ from typing import Protocol
 
 import grpc
 
-from beamsplit.metrics import ServerMetrics
-from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from beamsplit.wire import ServiceError
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 
-from beamsplit.aggregated import AggregatedService
-from beamsplit.client_api_servicer import ClientApiServicer
-from beamsplit.engine_args import engine_config_from_args
-from beamsplit.metrics import ServerMetrics
-from beamsplit.server_common import (
+from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.server.aggregated import AggregatedService
+from beamsplit.server.client_api_servicer import ClientApiServicer
+from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.server_common import (
     ShutdownGate,
     announce,
     configure_logging,
     run_until_signalled,
     start_grpc_server,
 )
+from beamsplit.server.worker_setup import model_limits, start_engine
 from beamsplit.v1 import coordinator_pb2_grpc
-from beamsplit.worker_setup import model_limits, start_engine
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "beamsplit.v1.Coordinator"

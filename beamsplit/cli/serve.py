@@ -11,15 +11,15 @@ import sys
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from beamsplit import server_args
-from beamsplit.help_format import DefaultsHelpFormatter
+from beamsplit.cli import server_args
+from beamsplit.cli.help_format import DefaultsHelpFormatter
 
 # role: (module with run(args), default port, its own flags, help)
 ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | None, str]] = (
     MappingProxyType(
         {
             "aggregated": (
-                "beamsplit.aggregated_server",
+                "beamsplit.server.aggregated_server",
                 50050,
                 None,
                 "the client API on one engine (the reference)",
@@ -70,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        from beamsplit.worker_setup import ModelLoadError
+        from beamsplit.server.worker_setup import ModelLoadError
 
         try:
             return int(importlib.import_module(module_name).run(args))

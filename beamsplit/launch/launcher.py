@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from beamsplit.metrics import read_gauge
-from beamsplit.server_common import wait_until_healthy
+from beamsplit.server.metrics import read_gauge
+from beamsplit.server.server_common import wait_until_healthy
 
 HOST = "127.0.0.1"
 

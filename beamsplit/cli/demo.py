@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from beamsplit.output import beam_record, format_result
+from beamsplit.cli.output import beam_record, format_result
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
@@ -101,7 +101,7 @@ def _say(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from beamsplit.local_cluster import start_local_cluster
+    from beamsplit.launch.local_cluster import start_local_cluster
     from engine.loader import load_model_tokenizer
     from engine.model_source import resolve_model_source
 
@@ -161,7 +161,7 @@ def _run_cases(
     tokenizer: Tokenizer,
     max_new_tokens: int,
 ) -> bool:
-    from beamsplit.client import BeamsplitClient, build_request
+    from beamsplit.client.grpc_client import BeamsplitClient, build_request
     from beamsplit.v1 import common_pb2
 
     is_ok = True

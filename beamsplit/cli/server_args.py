@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from beamsplit import engine_args
+from beamsplit.cli import engine_args
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:

@@ -9,9 +9,9 @@ import sys
 
 import grpc
 
-from beamsplit.client import BeamsplitClient, build_request
-from beamsplit.output import beam_record, format_result
-from beamsplit.request_validation import EARLY_STOPPING_TO_PROTO
+from beamsplit.cli.output import beam_record, format_result
+from beamsplit.client.grpc_client import BeamsplitClient, build_request
+from beamsplit.server.request_validation import EARLY_STOPPING_TO_PROTO
 from beamsplit.v1 import common_pb2
 
 DEFAULT_TIMEOUT_S = 300.0

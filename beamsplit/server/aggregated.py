@@ -12,9 +12,9 @@ from collections.abc import Callable, Generator
 
 import grpc
 
-from beamsplit.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
-from beamsplit.request_validation import ModelLimits, RequestValidationError, validate_generate_request
-from beamsplit.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.server.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
+from beamsplit.server.request_validation import ModelLimits, RequestValidationError, validate_generate_request
+from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import common_pb2, coordinator_pb2
 from beamsplit.wire import ServiceError, beams_to_proto, delta_to_proto, engine_stats_to_map
 from engine.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 BENCHMARKS = (
     ("transfer", "KV page pulls between two processes vs ucx_perftest and NIXL"),
     ("service", "disaggregated service vs aggregated server: bytes pulled and latency per beam width"),

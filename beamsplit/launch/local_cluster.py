@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from beamsplit.launcher import ProcessGroup, ServerProcess
+from beamsplit.launch.launcher import ProcessGroup, ServerProcess
 
 DEFAULT_ENGINE_ARGUMENTS = ("--model", "tiny", "--dtype", "float64", "--tokens-per-block", "32")
 
