@@ -86,8 +86,8 @@ def packaged_model_path(name: str) -> Path:
         candidate = Path(folder) / packaged.file_name
         if candidate.is_file():
             return candidate
-    where = f"not in {folders[0]}" if folders else f"package {packaged.distribution} is not installed"
+    problem = f"has no such file in {folders[0]}" if folders else "is not installed"
     raise FileNotFoundError(
-        f"model {name!r}: {packaged.file_name} {where}; install it with `{packaged.install_hint}` "
-        "(scripts/setup.sh does)"
+        f"model {name!r} needs {packaged.file_name} from the package {packaged.distribution}, which "
+        f"{problem}; install it with `{packaged.install_hint}` (scripts/setup.sh does)"
     )
