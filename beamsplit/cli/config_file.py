@@ -159,7 +159,9 @@ def _checked_value(path: Path, key: str, value: Any, action: argparse.Action) ->
             f"config file {path}: '{key}' must be {expected}, got {value!r} ({type(value).__name__})"
         )
 
-    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+    if isinstance(
+        action, argparse._StoreTrueAction | argparse._StoreFalseAction | argparse.BooleanOptionalAction
+    ):
         if not isinstance(value, bool):
             raise wrong("true or false")
         return value

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -146,8 +147,6 @@ def running_script(tmp_path: Path, dtype: str = "float32", **extra_env: str) -> 
 
 
 def _is_free(port: int) -> bool:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind((HOST, port))
@@ -191,12 +190,15 @@ def check_parity_and_clean_stop(deployment: Deployment) -> None:
         BeamsplitClient(f"{HOST}:{coordinator_port}") as coordinator,
         BeamsplitClient(f"{HOST}:{deployment.ports['aggregated']}") as aggregated,
     ):
+        results = []
         for request in requests:
             result = coordinator.generate(request, timeout_s=120.0)
             reference = aggregated.generate(request, timeout_s=120.0)
             assert_parity(result, reference, request.sampling.beam_width)
             assert result.texts == reference.texts
-            assert result.stats["transferred_blocks"] >= 1
+            results.append(result)
+    assert [result.stats["transferred_blocks"] for result in results[:2]] == [3, 1]  # block 32
+    assert results[1].stats["context_reused_tokens"] == results[1].stats["generation_reused_tokens"] == 64
     deadline = time.monotonic() + 10.0
     blocks = deployment.blocks_in_use()
     while any(value != 0 for value in blocks.values()) and time.monotonic() < deadline:
