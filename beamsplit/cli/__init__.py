@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from beamsplit.cli.config_file import parse_args_with_config
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args_with_config(parser, sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -60,6 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             description=f"beamsplit serve {role}: {help_text}.",
             formatter_class=DefaultsHelpFormatter,
         )
+        role_parser.add_argument(
+            "--config",
+            metavar="FILE",
+            default=None,
+            help="TOML file with the same settings as these flags (keys like num_blocks; shared "
+            "top-level keys and a [ROLE] table); flags given here override it",
+        )
         server_args.add_server_arguments(role_parser, default_port)
         if role != "coordinator":
             server_args.add_engine_arguments(role_parser)
@@ -72,6 +80,10 @@ def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         from beamsplit.server.worker_setup import ModelLoadError
 
+        device_error = _device_error(getattr(args, "device", None))
+        if device_error is not None:
+            print(f"[{args.role}] error: {device_error}", file=sys.stderr)
+            return 2
         try:
             return int(importlib.import_module(module_name).run(args))
         except ModelLoadError as error:  # one line, no traceback: the user named a bad file
@@ -79,3 +91,29 @@ def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
             return 2
 
     return run
+
+
+def _device_error(device: str | None) -> str | None:
+    """Why `--device` cannot be used on this host, in one line (None when it can, or has no engine)."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        return f"--device {device}: not a torch device (expected cpu, cuda or cuda:N)"
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        return f"--device {device}: only cpu and cuda devices are supported"
+    if not torch.cuda.is_available():
+        reason = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        return f"--device {device}: CUDA is not available on this host ({reason}); use --device cpu"
+    num_devices = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= num_devices:
+        return (
+            f"--device {device}: this host has {num_devices} visible CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
+    return None
