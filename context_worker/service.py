@@ -175,12 +175,15 @@ class ContextService:
         self._reaper.join(timeout=2.0)
 
     def _on_offer_done(self, transfer_id: str, status: TransferStatus) -> None:
-        # Runs on the agent's thread: never call back into the agent from here.
+        # Runs on the agent's thread: never call back into the agent from here (its read-only
+        # num_pages_pulled excepted: it only takes the offer book's lock, free while on_done runs).
         hold = self._pop_hold(transfer_id)
         if hold is None:  # ended through release(), which already returned the pages
             return
         if status is TransferStatus.DONE:
-            self._metrics.record_transfer(hold.num_pages, hold.num_pages * self._page_bytes)
+            # The puller takes only the pages it lacks; the book's read takes no agent thread.
+            num_pages = self._agent.num_pages_pulled(transfer_id)
+            self._metrics.record_transfer(num_pages, num_pages * self._page_bytes)
         elif status is TransferStatus.TIMED_OUT:
             self._metrics.record_lease_expiry()
             self._metrics.record_transfer_failure("lease_lapsed")

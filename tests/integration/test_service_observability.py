@@ -166,10 +166,15 @@ def test_a_repeated_prompt_raises_the_hit_counters_on_each_side(cluster: LocalCl
     generate(cluster.coordinator.address, token_ids, beam_width=2)
     generate(cluster.aggregated.address, token_ids, beam_width=2)
     before = read()
+    pages = {server.name: sample(server, "beamsplit_transfer_blocks_total") for server in servers(cluster)}
     generate(cluster.coordinator.address, token_ids, beam_width=2)
     generate(cluster.aggregated.address, token_ids, beam_width=2)
     assert wait_until(lambda: all(read()[side][0] > before[side][0] for side in sides))
+    assert wait_until(lambda: sample(cluster.context, "beamsplit_transfer_blocks_total") > pages["context"])
     after = read()
+    # Only the block holding the last prompt token crosses the wire, counted once on each side.
+    for server in (cluster.context, cluster.generation):
+        assert sample(server, "beamsplit_transfer_blocks_total") == pages[server.name] + 1, server.name
     for side in sides:
         looked_up = after[side][0] - before[side][0]
         reused = after[side][1] - before[side][1]
