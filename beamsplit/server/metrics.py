@@ -108,6 +108,11 @@ class ServerMetrics:
         self.running_requests = Gauge(
             "beamsplit_scheduler_running_requests", "requests in the engine's batch", registry=registry
         )
+        self.engine_commands = Gauge(
+            "beamsplit_engine_queued_commands",
+            "calls waiting for the engine thread (prefill, reserve, add, abort), read at scrape time",
+            registry=registry,
+        )
         self.prefix_prompt_tokens = Counter(
             "beamsplit_prefix_prompt_tokens",
             "prompt tokens looked up in the prefix tree, by side (the process role)",

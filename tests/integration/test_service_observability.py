@@ -50,6 +50,7 @@ GAUGES = (
     "beamsplit_kv_blocks_cached",
     "beamsplit_scheduler_waiting_requests",
     "beamsplit_scheduler_running_requests",
+    "beamsplit_engine_queued_commands",
     "beamsplit_transfers_in_flight",
 )
 

@@ -106,6 +106,7 @@ def test_every_query_parses_and_names_an_exported_series() -> None:
         "beamsplit_e2e_latency_seconds_bucket",
         "beamsplit_requests_total",
         "beamsplit_scheduler_waiting_requests",
+        "beamsplit_engine_queued_commands",
         "beamsplit_kv_blocks_capacity",
         "beamsplit_kv_blocks_in_use",
         "beamsplit_kv_blocks_cached",
