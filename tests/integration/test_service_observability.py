@@ -293,3 +293,16 @@ def test_status_of_a_target_that_is_down_fails_within_its_bound() -> None:
     assert result.returncode == 1
     assert result.stderr.startswith(f"beamsplit status: cannot reach {address}: no answer within 1 s")
     assert time.monotonic() - started < 30.0
+
+
+def test_status_shows_a_stopped_worker_as_down(cluster: LocalCluster) -> None:
+    """Last in the module: it stops the generation worker (SIGTERM, a clean exit)."""
+    assert cluster.group.stop(cluster.generation) == 0
+    assert wait_until(
+        lambda: "1/2 workers healthy" in run_status("--target", cluster.coordinator.address).stdout
+    )
+    result = run_status("--target", cluster.coordinator.address)
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith(cluster.generation.address))
+    assert row.split()[1:3] == ["generation", "DOWN"]
+    assert f"  {cluster.generation.address}: " in result.stdout.split("unhealthy:")[1]
