@@ -34,8 +34,10 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics("context")
     handle = start_engine(engine_config_from_args(args), metrics)
     agent = start_transfer_agent(handle, args)
-    service = ContextService(handle.loop, agent, KV_REGION_NAME, metrics, default_lease_s=args.lease_s)
     info = worker_info(handle)
+    service = ContextService(
+        handle.loop, agent, KV_REGION_NAME, metrics, default_lease_s=args.lease_s, page_bytes=info.page_bytes
+    )
     layout = worker_pb2.PageLayout(
         region=KV_REGION_NAME,
         tokens_per_block=info.tokens_per_block,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from beamsplit.server.engine_loop import EngineLoop, EngineLoopError
+from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
 from transfer import TransferAgent, TransferStatus
 
@@ -46,6 +47,7 @@ class HeldPrompt:
 
 @dataclass
 class _Hold:
+    request_id: str
     engine_request_id: str
     num_pages: int
     deadline: float  # time.monotonic()
@@ -60,6 +62,7 @@ class ContextService:
         metrics: ServerMetrics,
         default_lease_s: float = 30.0,
         engine_timeout_s: float = 120.0,
+        page_bytes: int = 0,  # for the served-bytes counter
     ) -> None:
         self._loop = loop
         self._agent = agent
@@ -67,6 +70,7 @@ class ContextService:
         self._metrics = metrics
         self._default_lease_s = default_lease_s
         self._engine_timeout_s = engine_timeout_s
+        self._page_bytes = page_bytes
         self._holds: dict[str, _Hold] = {}
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -99,7 +103,8 @@ class ContextService:
             # The prefill may still run after the bound: unpin whatever it pins (queued after it).
             self._release_pages(engine_request_id)
             raise
-        prefill_ms = (time.perf_counter() - started) * 1000.0
+        prefill_s = time.perf_counter() - started
+        self._metrics.prefill_latency.observe(prefill_s)
         # The lock spans offer and record so that an on_done from the agent's timer (which takes
         # the lock) always finds the hold. The agent fires on_done outside its own locks.
         with self._lock:
@@ -110,7 +115,15 @@ class ContextService:
             except Exception:
                 self._release_pages(engine_request_id)
                 raise
-            self._holds[offer.transfer_id] = _Hold(engine_request_id, len(result.block_ids), offer.expires_at)
+            self._holds[offer.transfer_id] = _Hold(
+                request_id, engine_request_id, len(result.block_ids), offer.expires_at
+            )
+            self._metrics.set_transfers_in_flight(len(self._holds))
+        logger.info(
+            "prefilled %d tokens (%d reused) in %.1f ms; %d pages held as %s for %.0f s",
+            result.prompt_len, result.reused_tokens, prefill_s * 1000.0, len(result.block_ids),
+            offer.transfer_id, lease_s,
+        )  # fmt: skip
         return HeldPrompt(
             request_id=request_id,
             attempt=attempt,
@@ -123,7 +136,7 @@ class ContextService:
             candidate_logprobs=list(result.candidate_logprobs),
             reused_tokens=result.reused_tokens,
             lease_deadline_unix_ms=_monotonic_to_unix_ms(offer.expires_at),
-            prefill_ms=prefill_ms,
+            prefill_ms=prefill_s * 1000.0,
         )
 
     def release(self, transfer_id: str, reason: str) -> bool:
@@ -131,12 +144,13 @@ class ContextService:
         hold = self._pop_hold(transfer_id)
         if hold is None:
             return False
-        try:
-            self._agent.revoke(transfer_id)
-        except Exception:  # the offer may have ended on its own meanwhile; the pages go back anyway
-            logger.debug("revoke %s failed", transfer_id, exc_info=True)
-        logger.info("released %s (%s)", transfer_id, reason)
-        self._release_pages(hold.engine_request_id)
+        with request_context(hold.request_id):
+            try:
+                self._agent.revoke(transfer_id)
+            except Exception:  # the offer may have ended on its own meanwhile; the pages go back anyway
+                logger.debug("revoke %s failed", transfer_id, exc_info=True)
+            logger.info("released %s (%s)", transfer_id, reason)
+            self._release_pages(hold.engine_request_id)
         return True
 
     def heartbeat(self, transfer_id: str, extend_s: float) -> tuple[bool, int]:
@@ -161,18 +175,29 @@ class ContextService:
         self._reaper.join(timeout=2.0)
 
     def _on_offer_done(self, transfer_id: str, status: TransferStatus) -> None:
-        # Runs on the agent's thread: never call back into the agent from here.
+        # Runs on the agent's thread: never call back into the agent from here (its read-only
+        # num_pages_pulled excepted: it only takes the offer book's lock, free while on_done runs).
         hold = self._pop_hold(transfer_id)
         if hold is None:  # ended through release(), which already returned the pages
             return
         if status is TransferStatus.DONE:
-            self._metrics.transferred_blocks.inc(hold.num_pages)
-        logger.info("offer %s ended: %s", transfer_id, status.name)
-        self._release_pages(hold.engine_request_id)
+            # The puller takes only the pages it lacks; the book's read takes no agent thread.
+            num_pages = self._agent.num_pages_pulled(transfer_id)
+            self._metrics.record_transfer(num_pages, num_pages * self._page_bytes)
+        elif status is TransferStatus.TIMED_OUT:
+            self._metrics.record_lease_expiry()
+            self._metrics.record_transfer_failure("lease_lapsed")
+        elif status is TransferStatus.FAILED:
+            self._metrics.record_transfer_failure("failed")
+        with request_context(hold.request_id):
+            logger.info("offer %s ended: %s", transfer_id, status.name)
+            self._release_pages(hold.engine_request_id)
 
     def _pop_hold(self, transfer_id: str) -> _Hold | None:
         with self._lock:
-            return self._holds.pop(transfer_id, None)
+            hold = self._holds.pop(transfer_id, None)
+            self._metrics.set_transfers_in_flight(len(self._holds))
+            return hold
 
     def _release_pages(self, engine_request_id: str) -> None:
         future = self._loop.submit(lambda engine: engine.release_prefill(engine_request_id))
@@ -184,7 +209,9 @@ class ContextService:
             with self._lock:
                 lapsed = [tid for tid, hold in self._holds.items() if hold.deadline + REAPER_SLACK_S < now]
             for transfer_id in lapsed:
-                self.release(transfer_id, "lease lapsed")
+                if self.release(transfer_id, "lease lapsed"):
+                    self._metrics.record_lease_expiry()
+                    self._metrics.record_transfer_failure("lease_lapsed")
 
 
 def _monotonic_to_unix_ms(deadline: float) -> int:

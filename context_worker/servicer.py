@@ -7,8 +7,10 @@ import logging
 import grpc
 
 from beamsplit.server.engine_loop import EngineLoopError
+from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.server.status import worker_load
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from context_worker.service import ContextService
 
@@ -31,6 +33,12 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
         self._metrics = metrics
 
     def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        with request_context(request.request_id):
+            return self._prefill(request, context)
+
+    def _prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         if not self._gate.enter():
@@ -91,11 +99,7 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
     def GetLoad(
         self, request: common_pb2.LoadRequest, context: grpc.ServicerContext
     ) -> common_pb2.WorkerLoad:
-        return common_pb2.WorkerLoad(
-            num_requests=self._gate.num_in_flight + self._service.num_holds,
-            num_blocks_in_use=self._metrics.last_blocks_in_use,
-            num_blocks_total=self._info.num_blocks,
-        )
+        return worker_load(self._metrics, num_requests=self._gate.num_in_flight + self._service.num_holds)
 
     def GetInfo(
         self, request: common_pb2.WorkerInfoRequest, context: grpc.ServicerContext

@@ -16,6 +16,7 @@ from beamsplit.server.server_common import (
     run_until_signalled,
     start_grpc_server,
 )
+from beamsplit.server.status import server_status
 from beamsplit.v1 import common_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from coordinator.service import CoordinatorService, CoordinatorSettings
 from coordinator.worker_pool import WorkerPool
@@ -60,7 +61,15 @@ def run(args: argparse.Namespace) -> int:
     settings = CoordinatorSettings(max_attempts=max(1, args.max_attempts), lease_s=args.lease_s)
     service = CoordinatorService(context_pool, generation_pool, tokenizer, limits, settings)
     gate = ShutdownGate()
-    servicer = ClientApiServicer(service, gate, metrics, "coordinator")
+    servicer = ClientApiServicer(
+        service,
+        gate,
+        metrics,
+        "coordinator",
+        status=lambda: server_status(
+            metrics, gate.num_in_flight, context_pool.statuses() + generation_pool.statuses()
+        ),
+    )
     server = start_grpc_server(
         args.host,
         args.port,

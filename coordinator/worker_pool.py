@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from beamsplit.server.server_common import check_health, peer_channel
-from beamsplit.v1 import common_pb2
+from beamsplit.v1 import common_pb2, coordinator_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class WorkerHandle:
     is_healthy: bool = False
     info: common_pb2.WorkerInfo | None = None
     reported_requests: int = 0
+    last_load: common_pb2.WorkerLoad | None = None  # the last probe's answer, for status
+    last_failure: str = ""  # why the last probe (or call) found it unhealthy
     num_in_flight: int = 0  # requests this coordinator has routed here and not finished
     mismatch: str | None = None  # why this worker's layout cannot serve with the fleet
 
@@ -100,10 +102,29 @@ class WorkerPool:
             if worker.is_healthy:
                 logger.warning("%s worker %s marked unhealthy: %s", self.kind, worker.address, reason)
             worker.is_healthy = False
+            worker.last_failure = reason
 
     def num_healthy(self) -> int:
         with self._lock:
             return sum(1 for worker in self.workers if worker.is_healthy and worker.mismatch is None)
+
+    def statuses(self) -> list[coordinator_pb2.WorkerStatus]:
+        """Each worker as its last probe saw it (`beamsplit status`)."""
+        with self._lock:
+            statuses = []
+            for worker in self.workers:
+                status = coordinator_pb2.WorkerStatus(
+                    address=worker.address,
+                    role=self.kind,
+                    healthy=worker.is_healthy and worker.mismatch is None,
+                    detail=worker.mismatch or ("" if worker.is_healthy else worker.last_failure),
+                )
+                if worker.info is not None:
+                    status.info.CopyFrom(worker.info)
+                if worker.last_load is not None:
+                    status.load.CopyFrom(worker.last_load)
+                statuses.append(status)
+            return statuses
 
     def close(self) -> None:
         self._stopping.set()
@@ -124,20 +145,25 @@ class WorkerPool:
         is_healthy = check_health(worker.channel, self.probe_timeout_s)
         info = worker.info
         reported_requests = worker.reported_requests
+        load = worker.last_load
+        failure = "" if is_healthy else "health check did not answer SERVING"
         if is_healthy:
             try:
                 if info is None:
                     info = worker.stub.GetInfo(common_pb2.WorkerInfoRequest(), timeout=self.probe_timeout_s)
                 load = worker.stub.GetLoad(common_pb2.LoadRequest(), timeout=self.probe_timeout_s)
                 reported_requests = load.num_requests
-            except grpc.RpcError:
+            except grpc.RpcError as error:
                 is_healthy = False
+                failure = f"probe failed: {error.code().name}"
         with self._changed:
             if is_healthy != worker.is_healthy:
                 logger.info(
                     "%s worker %s is %s", self.kind, worker.address, "healthy" if is_healthy else "unhealthy"
                 )
             worker.is_healthy = is_healthy
+            worker.last_failure = failure
+            worker.last_load = load
             worker.info = info
             worker.reported_requests = reported_requests
             if self._expected_info is not None:

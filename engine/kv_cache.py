@@ -61,9 +61,11 @@ class PromptAllocation:
 
 @dataclass
 class KVCacheStats:
+    prompt_tokens: int = 0  # prompt tokens looked up, summed over allocate_prompt calls
     reused_tokens: int = 0  # prompt tokens found in the tree, summed over allocate_prompt calls
     new_blocks: int = 0  # blocks taken from the pool: fresh prompt blocks, copy targets, growth
     copied_blocks: int = 0  # CopyOps issued (copy-on-write and beam forks)
+    beam_copied_blocks: int = 0  # of those, partial tail blocks copied for a forked beam
     peak_blocks_in_use: int = 0  # most blocks referenced at once since construction
 
 
@@ -137,6 +139,7 @@ class KVCacheManager:
             copies.append(CopyOp(match.partial_block_id, fresh_ids[0]))
             self.allocator.decref(match.partial_block_id)
         table = BlockTable(match.block_ids + fresh_ids, len(token_ids))
+        self.stats.prompt_tokens += len(token_ids)
         self.stats.reused_tokens += match.num_matched_tokens
         self.stats.new_blocks += num_fresh
         self.stats.copied_blocks += len(copies)
@@ -226,6 +229,7 @@ class KVCacheManager:
             new_tables.append(BlockTable(block_ids + private_ids, table.num_tokens))
         self.stats.new_blocks += num_copies
         self.stats.copied_blocks += num_copies
+        self.stats.beam_copied_blocks += num_copies
         self._track_peak()
         return new_tables, copies
 

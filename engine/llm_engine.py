@@ -29,7 +29,7 @@ from engine.model_runner import ModelRunner, SequenceInput
 from engine.request import Request, RequestState, make_decoder
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import Scheduler
-from engine.types import KVRegion, PrefillResult, PromptReservation, RequestOutput
+from engine.types import EngineCounters, KVRegion, PrefillResult, PromptReservation, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +233,20 @@ class LLMEngine:
 
     def num_blocks_in_use(self) -> int:
         return self.kv_cache.num_blocks_in_use()
+
+    def counters(self) -> EngineCounters:
+        stats = self.kv_cache.stats
+        return EngineCounters(
+            num_blocks_total=self.cache_config.num_blocks,
+            num_blocks_in_use=self.kv_cache.num_blocks_in_use(),
+            num_blocks_cached=self.kv_cache.allocator.num_cached_blocks(),
+            num_waiting_requests=len(self.scheduler.waiting),
+            num_running_requests=len(self.scheduler.running),
+            prompt_tokens=stats.prompt_tokens,
+            reused_tokens=stats.reused_tokens,
+            beam_tail_copies=stats.beam_copied_blocks,
+            partial_reuse_copies=stats.copied_blocks - stats.beam_copied_blocks,
+        )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

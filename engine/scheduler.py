@@ -144,7 +144,7 @@ class Scheduler:
     def _try_allocate_prompt(self, request: Request) -> bool:
         reserved = sum(other.remaining_blocks() for other in self.running)
         stats = self.kv_cache.stats
-        before = (stats.reused_tokens, stats.new_blocks, stats.copied_blocks)
+        before = (stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks)
         try:
             allocation = self.kv_cache.allocate_prompt(request.prompt_ids, request.salt)
         except OutOfBlocksError:
@@ -155,13 +155,13 @@ class Scheduler:
             # Not enough room for this request's bound next to the running ones' bounds.
             self.kv_cache.free(allocation.table)
             request.tables = []
-            stats.reused_tokens, stats.new_blocks, stats.copied_blocks = before
+            stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks = before
             return False
         self.copy_blocks(allocation.copies)
         request.num_cached_tokens = allocation.num_cached_tokens
         request.reused_tokens = allocation.num_cached_tokens
-        request.new_blocks += stats.new_blocks - before[1]
-        request.copied_blocks += stats.copied_blocks - before[2]
+        request.new_blocks += stats.new_blocks - before[2]
+        request.copied_blocks += stats.copied_blocks - before[3]
         self._note_blocks(request)
         return True
 

@@ -53,3 +53,21 @@ class KVRegion:
     page_bytes: int  # one block across all layers, K and V
     num_pages: int
     device: str
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """A snapshot of the engine's pool, queue and lifetime counters, for a server's metrics.
+
+    Gauges (`num_*`) are values now; the others only grow over the engine's life.
+    """
+
+    num_blocks_total: int
+    num_blocks_in_use: int  # referenced by a request, a pinned prompt or a reservation
+    num_blocks_cached: int  # unreferenced, published in the prefix tree: evictable
+    num_waiting_requests: int  # queued in the scheduler, not yet admitted
+    num_running_requests: int  # in the continuous batch
+    prompt_tokens: int  # prompt tokens looked up in the prefix tree
+    reused_tokens: int  # of those, found there (their KV was not computed or pulled again)
+    beam_tail_copies: int  # partial last blocks copied for a forked beam
+    partial_reuse_copies: int  # partly reused blocks copied before being written

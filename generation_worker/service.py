@@ -29,7 +29,7 @@ from beamsplit.wire import ServiceError
 from engine.config import SamplingParams
 from engine.types import PromptReservation, RequestOutput
 from generation_worker.context_client import ContextClient
-from transfer import TransferAgent, TransferStatus
+from transfer import PullHandle, TransferAgent, TransferStatus
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +203,20 @@ class GenerationService:
             dst_page_ids,
             timeout_s=self._timeouts.pull_s,
         )
+        self._metrics.change_transfers_in_flight(1)
+        try:
+            return self._wait_for_pull(handle, handoff, dst_page_ids, started, stop_reason)
+        finally:
+            self._metrics.change_transfers_in_flight(-1)
+
+    def _wait_for_pull(
+        self,
+        handle: PullHandle,
+        handoff: worker_pb2.Handoff,
+        dst_page_ids: list[int],
+        started: float,
+        stop_reason: Callable[[], ServiceError | None],
+    ) -> PullResult:
         deadline = time.monotonic() + self._timeouts.pull_s
         next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
         while True:
@@ -210,20 +224,25 @@ class GenerationService:
             if status.is_final:
                 break
             reason = stop_reason()
+            failure = "cancelled"
             if reason is None and time.monotonic() > deadline:
+                failure = "timed_out"
                 reason = ServiceError(grpc.StatusCode.ABORTED, "generation worker: pull timed out")
             if reason is None and time.monotonic() > next_heartbeat:
                 next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
                 if not self._context_client.heartbeat(
                     handoff.context_address, handoff.transfer_id, self._timeouts.lease_extend_s
                 ):
+                    failure = "dropped"
                     reason = ServiceError(
                         grpc.StatusCode.ABORTED, "context worker dropped the prompt's pages"
                     )
             if reason is not None:
                 handle.cancel()
+                self._metrics.record_transfer_failure(failure)
                 raise reason
         if status is not TransferStatus.DONE:
+            self._metrics.record_transfer_failure(status.name.lower())
             # ABORTED, not UNAVAILABLE: this worker is fine, the handoff is not; the coordinator
             # retries with a new prefill rather than routing around us.
             raise ServiceError(
@@ -231,7 +250,10 @@ class GenerationService:
                 f"pull of {len(dst_page_ids)} pages from context worker {handoff.ucx_address} failed: "
                 f"{status.name}: {handle.error}",
             )
-        transfer_ms = (time.perf_counter() - started) * 1000.0
-        self._metrics.transferred_blocks.inc(len(dst_page_ids))
-        self._metrics.transferred_bytes.inc(handle.bytes_moved)
-        return PullResult(len(dst_page_ids), int(handle.bytes_moved), transfer_ms)
+        transfer_s = time.perf_counter() - started
+        self._metrics.record_transfer(len(dst_page_ids), int(handle.bytes_moved), transfer_s)
+        logger.info(
+            "pulled %d pages (%d bytes) in %.1f ms from %s",
+            len(dst_page_ids), handle.bytes_moved, transfer_s * 1000.0, handoff.ucx_address,
+        )  # fmt: skip
+        return PullResult(len(dst_page_ids), int(handle.bytes_moved), transfer_s * 1000.0)

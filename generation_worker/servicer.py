@@ -8,13 +8,15 @@ from collections.abc import Iterator
 import grpc
 
 from beamsplit.server.engine_loop import EngineLoopError, RequestDroppedError
-from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.log_context import request_context
+from beamsplit.server.metrics import RequestTimer, ServerMetrics
 from beamsplit.server.request_validation import (
     ModelLimits,
     RequestValidationError,
     sampling_params_from_proto,
 )
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
+from beamsplit.server.status import worker_load
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from beamsplit.wire import ServiceError, beams_to_proto, delta_to_proto, engine_stats_to_map
 from engine.tokenizer import Tokenizer
@@ -45,8 +47,15 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
     ) -> Iterator[common_pb2.GenerateResponse]:
         if not self._gate.enter():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"generation worker: {SHUTDOWN_MESSAGE}")
+        with request_context(request.handoff.request_id):
+            yield from self._generate(request, context)
+
+    def _generate(
+        self, request: worker_pb2.GenerationRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.GenerateResponse]:
         request_id = request.handoff.request_id
         outcome = "error"
+        timer = RequestTimer(self._metrics)
         self._metrics.requests_in_flight.inc()
         try:
             params = sampling_params_from_proto(request.sampling, self._limits)
@@ -60,6 +69,7 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
             try:
                 for output in outputs:
                     if any(output.new_token_ids):
+                        timer.on_delta()
                         delta = delta_to_proto(output, self._tokenizer)
                         yield common_pb2.GenerateResponse(request_id=request_id, delta=delta)
                     if output.finished:
@@ -68,6 +78,13 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
                             stats=_stats_to_proto(output.stats),
                         )
                         outcome = "ok"
+                        timer.on_final()
+                        logger.info(
+                            "finished: %d beams, generation_reused_tokens=%d transferred_blocks=%d",
+                            len(final.beams),
+                            final.stats.generation_reused_tokens,
+                            final.stats.transferred_blocks,
+                        )
                         yield common_pb2.GenerateResponse(request_id=request_id, final=final)
             finally:
                 outputs.close()  # runs the service's cleanup now, not whenever the generator is collected
@@ -75,6 +92,7 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except ServiceError as error:
             outcome = error.code.name.lower()
+            logger.info("failed: %s %s", error.code.name, error.message)
             context.abort(error.code, error.message)
         except RequestDroppedError as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"generation worker: {error}")
@@ -89,7 +107,7 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
             )
             context.abort(code, f"generation worker: {type(error).__name__}: {error}")
         finally:
-            self._metrics.requests.labels(outcome=outcome).inc()
+            self._metrics.count_request(outcome)
             self._metrics.requests_in_flight.dec()
             self._gate.exit()
 
@@ -101,11 +119,7 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
     def GetLoad(
         self, request: common_pb2.LoadRequest, context: grpc.ServicerContext
     ) -> common_pb2.WorkerLoad:
-        return common_pb2.WorkerLoad(
-            num_requests=self._gate.num_in_flight,
-            num_blocks_in_use=self._metrics.last_blocks_in_use,
-            num_blocks_total=self._info.num_blocks,
-        )
+        return worker_load(self._metrics, num_requests=self._gate.num_in_flight)
 
     def GetInfo(
         self, request: common_pb2.WorkerInfoRequest, context: grpc.ServicerContext

@@ -157,6 +157,12 @@ class TransferAgent(ABC):
         checksum: bool = False,
     ) -> PullHandle: ...
 
+    def num_pages_pulled(self, transfer_id: str) -> int:
+        """Holder side: pages a puller claimed from this offer (a subset of the offer's pages; 0 if
+        never pulled or unknown). Still answers from `on_done`, for a while after the offer ended."""
+        del transfer_id
+        return 0
+
     @abstractmethod
     def stats(self) -> AgentStats: ...
 

@@ -85,6 +85,9 @@ class LoopbackTransferAgent(TransferAgent):
     def register(self, name: str, region: MemoryRegion) -> None:
         self._regions.register(name, region)
 
+    def num_pages_pulled(self, transfer_id: str) -> int:
+        return self._book.num_pages_claimed(transfer_id)
+
     def offer(self, region: str, page_ids: list[int], ttl_s: float, on_done: OnDone | None = None) -> Offer:
         return self._book.create(region, page_ids, ttl_s, on_done)
 

@@ -43,6 +43,7 @@ class OfferBook:
         self._regions = regions
         self._offers: dict[str, OfferEntry] = {}
         self._ended: OrderedDict[str, TransferStatus] = OrderedDict()
+        self._ended_claims: dict[str, int] = {}  # pages claimed by the puller, for offers in _ended
         self._lock = threading.Lock()
 
     def create(self, region_name: str, page_ids: list[int], ttl_s: float, on_done: OnDone | None) -> Offer:
@@ -108,14 +109,24 @@ class OfferBook:
             if entry is None:
                 return False
             self._ended[transfer_id] = status
+            self._ended_claims[transfer_id] = len(entry.claimed_page_ids)
             while len(self._ended) > _NUM_REMEMBERED_ENDED:
-                self._ended.popitem(last=False)
+                forgotten, _ = self._ended.popitem(last=False)
+                self._ended_claims.pop(forgotten, None)
         if entry.on_done is not None:
             try:
                 entry.on_done(transfer_id, status)
             except Exception:  # the holder's callback must not break the agent that calls it
                 _logger.exception("on_done callback for transfer %s raised", transfer_id)
         return True
+
+    def num_pages_claimed(self, transfer_id: str) -> int:
+        """Pages the puller asked for (0 if none yet, or if the offer is unknown or long forgotten)."""
+        with self._lock:
+            entry = self._offers.get(transfer_id)
+            if entry is not None:
+                return len(entry.claimed_page_ids)
+            return self._ended_claims.get(transfer_id, 0)
 
     def expired_ids(self, now: float) -> list[str]:
         with self._lock:

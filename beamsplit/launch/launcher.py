@@ -92,9 +92,14 @@ class ServerProcess:
         return "\n".join(lines[-num_lines:])
 
     def metric(self, name: str, timeout_s: float = 5.0) -> float | None:
+        return read_gauge(self.metrics_text(timeout_s), name)
+
+    def metrics_text(self, timeout_s: float = 5.0) -> str:
+        """The whole /metrics page."""
         url = f"http://{HOST}:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return read_gauge(response.read().decode(), name)
+            text: str = response.read().decode()
+            return text
 
 
 class StoppableProcess(Protocol):

@@ -16,7 +16,8 @@ from beamsplit.server.server_common import (
     run_until_signalled,
     start_grpc_server,
 )
-from beamsplit.server.worker_setup import model_limits, start_engine
+from beamsplit.server.status import self_status
+from beamsplit.server.worker_setup import model_limits, start_engine, worker_info
 from beamsplit.v1 import coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,14 @@ def run(args: argparse.Namespace) -> int:
     handle = start_engine(engine_config_from_args(args), metrics)
     gate = ShutdownGate()
     service = AggregatedService(handle.loop, handle.engine.tokenizer, model_limits(handle.engine), gate)
-    servicer = ClientApiServicer(service, gate, metrics, "aggregated server")
+    info = worker_info(handle)
+    servicer = ClientApiServicer(
+        service,
+        gate,
+        metrics,
+        "aggregated server",
+        status=lambda: self_status(metrics, f"{args.host}:{server.port}", info, gate.num_in_flight),
+    )
     server = start_grpc_server(
         args.host,
         args.port,

@@ -8,12 +8,14 @@ or whose deadline passes triggers the backend's callback so upstream work stops 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Generator, Iterator
 from typing import Protocol
 
 import grpc
 
-from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.log_context import request_context
+from beamsplit.server.metrics import RequestTimer, ServerMetrics
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from beamsplit.wire import ServiceError
@@ -32,19 +34,43 @@ class GenerateBackend(Protocol):
 
 class ClientApiServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(
-        self, backend: GenerateBackend, gate: ShutdownGate, metrics: ServerMetrics, role: str
+        self,
+        backend: GenerateBackend,
+        gate: ShutdownGate,
+        metrics: ServerMetrics,
+        role: str,
+        status: Callable[[], coordinator_pb2.StatusResponse] | None = None,
     ) -> None:
         self._backend = backend
         self._gate = gate
         self._metrics = metrics
         self._role = role
+        self._status = status
+
+    def GetStatus(
+        self, request: coordinator_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> coordinator_pb2.StatusResponse:
+        status = self._status
+        if status is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self._role}: no status")
+            raise AssertionError("abort raises")
+        return status()
 
     def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[common_pb2.GenerateResponse]:
         if not self._gate.enter():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self._role}: {SHUTDOWN_MESSAGE}")
+        if not request.request_id:  # named here so that every log line of the request carries it
+            request.request_id = uuid.uuid4().hex
+        with request_context(request.request_id):
+            yield from self._generate(request, context)
+
+    def _generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.GenerateResponse]:
         outcome = "error"
+        timer = RequestTimer(self._metrics)
         self._metrics.requests_in_flight.inc()
 
         def on_client_gone(callback: Callable[[], None]) -> None:
@@ -56,18 +82,32 @@ class ClientApiServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 for response in responses:
                     if self._gate.is_aborting:
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{self._role}: {SHUTDOWN_MESSAGE}")
+                    if response.HasField("delta"):
+                        timer.on_delta()
                     if response.HasField("final"):
                         outcome = "ok"
+                        timer.on_final()
+                        logger.info("finished: %s", _describe_stats(response.final.stats))
                     yield response
             finally:
                 responses.close()  # runs the backend's cleanup now, not at garbage collection
         except ServiceError as error:
             outcome = error.code.name.lower()
+            logger.info("failed: %s %s", error.code.name, error.message)
             context.abort(error.code, error.message)
         except Exception as error:
             logger.exception("request failed")
             context.abort(grpc.StatusCode.INTERNAL, f"{self._role}: {type(error).__name__}: {error}")
         finally:
-            self._metrics.requests.labels(outcome=outcome).inc()
+            self._metrics.count_request(outcome)
             self._metrics.requests_in_flight.dec()
             self._gate.exit()
+
+
+def _describe_stats(stats: common_pb2.RequestStats) -> str:
+    return (
+        f"prompt_tokens={stats.prompt_tokens} context_reused_tokens={stats.context_reused_tokens} "
+        f"generation_reused_tokens={stats.generation_reused_tokens} "
+        f"transferred_blocks={stats.transferred_blocks} ttft_ms={stats.ttft_ms:.1f} e2e_ms={stats.e2e_ms:.1f} "
+        f"context_worker={stats.context_worker} generation_worker={stats.generation_worker}"
+    )

@@ -64,6 +64,11 @@ class EngineLoop:
         self._thread.start()
 
     @property
+    def num_pending_commands(self) -> int:
+        """Commands queued for the engine thread (prefills, reservations, adds): a worker's queue."""
+        return self._commands.qsize()
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from beamsplit.server.log_context import RequestIdFilter
+
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "server shutting down"
@@ -168,7 +170,11 @@ def announce(role: str, grpc_server: GrpcServer, host: str, metrics_port: int, e
 
 
 def configure_logging(role: str) -> None:
+    """One line per record: time, role, level, logger, `request_id=` (`-` outside a request), message."""
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {role} %(levelname)s %(name)s request_id=%(request_id)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(existing, RequestIdFilter) for existing in handler.filters):
+            handler.addFilter(RequestIdFilter())

@@ -50,6 +50,7 @@ def start_engine(config: EngineConfig, metrics: ServerMetrics) -> EngineHandle:
     metrics.kv_blocks_total.set(config.cache.num_blocks)
     metrics.observe_engine(engine)
     loop = EngineLoop(engine, on_iteration=metrics.observe_engine)
+    metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
     loop.start()
     return EngineHandle(engine=engine, loop=loop, config=config)
 

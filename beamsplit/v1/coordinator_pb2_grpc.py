@@ -40,6 +40,11 @@ class CoordinatorStub:
                 request_serializer=beamsplit_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=beamsplit_dot_v1_dot_common__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/beamsplit.v1.Coordinator/GetStatus',
+                request_serializer=beamsplit_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
+                response_deserializer=beamsplit_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -54,6 +59,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """A one-screen summary for operators (`beamsplit status`): this server and every worker it
+        routes to, with the health, load and counters of each worker's last probe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +74,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=beamsplit_dot_v1_dot_coordinator__pb2.GenerateRequest.FromString,
                     response_serializer=beamsplit_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=beamsplit_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
+                    response_serializer=beamsplit_dot_v1_dot_coordinator__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +108,33 @@ class Coordinator:
             '/beamsplit.v1.Coordinator/Generate',
             beamsplit_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
             beamsplit_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/beamsplit.v1.Coordinator/GetStatus',
+            beamsplit_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
+            beamsplit_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

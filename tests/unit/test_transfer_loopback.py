@@ -179,3 +179,23 @@ def test_puller_refuses_a_bad_pull_before_anything_is_sent(
         assert (stats.num_in_flight, stats.reserved_bytes) == (0, 0)
     finally:
         agent.close()
+
+
+def test_holder_learns_how_many_pages_were_pulled(sides: tuple[Side, Side, LoopbackHub]) -> None:
+    holder, puller, _ = sides
+    seen_in_callback: list[int] = []
+    offer = holder.agent.offer(
+        "kv",
+        [3, 4, 5],
+        ttl_s=5.0,
+        on_done=lambda tid, status: seen_in_callback.append(holder.agent.num_pages_pulled(tid)),
+    )
+    assert holder.agent.num_pages_pulled(offer.transfer_id) == 0
+    handle = puller.agent.pull(offer.address, offer.transfer_id, offer.secret, "kv", [5], "kv", [0], 5.0)
+    assert handle.wait(5.0) is TransferStatus.DONE, handle.error
+    deadline = time.monotonic() + 5.0
+    while not seen_in_callback and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen_in_callback == [1]  # one page of the three offered
+    assert holder.agent.num_pages_pulled(offer.transfer_id) == 1
+    assert holder.agent.num_pages_pulled("unknown") == 0
