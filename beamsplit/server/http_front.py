@@ -76,6 +76,7 @@ class BackendCall:
         self._callbacks: list[Callable[[], None]] = []
         self._is_cancelled = False
         self._is_done = False
+        self._last_poll = time.monotonic()
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="http-request", daemon=True).start()
@@ -84,12 +85,15 @@ class BackendCall:
         """The next response, None at the end; raises the backend's `ServiceError`. With `request`,
         a client disconnect while waiting cancels the call (raises CANCELLED)."""
         while True:
+            # Polled on a clock, not only when idle: a request's deltas may arrive every few ms.
+            if request is not None and time.monotonic() - self._last_poll >= DISCONNECT_POLL_S:
+                self._last_poll = time.monotonic()
+                if await request.is_disconnected():
+                    self.cancel()
+                    raise ServiceError(grpc.StatusCode.CANCELLED, "client disconnected")
             try:
                 item = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.cancel()
-                    raise ServiceError(grpc.StatusCode.CANCELLED, "client disconnected") from None
                 continue
             if item is _END:
                 return None
