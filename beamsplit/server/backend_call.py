@@ -39,12 +39,15 @@ class BackendCall:
         gate: ShutdownGate,
         metrics: ServerMetrics,
         role: str,
+        slots: threading.BoundedSemaphore,
     ) -> None:
+        """`slots` bounds the calls (threads) in flight at once; a call finding none is refused."""
         self._backend = backend
         self._request = request
         self._gate = gate
         self._metrics = metrics
         self._role = role
+        self._slots = slots
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._lock = threading.Lock()
@@ -54,6 +57,15 @@ class BackendCall:
         self._last_poll = time.monotonic()
 
     def start(self) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._push(
+                ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self._role}: too many HTTP requests in flight, try again later",
+                )
+            )
+            self._push(_END)
+            return
         threading.Thread(target=self._run, name="http-request", daemon=True).start()
 
     async def next(self, request: Request | None = None) -> common_pb2.GenerateResponse | None:
@@ -101,11 +113,18 @@ class BackendCall:
             pass
 
     def _run(self) -> None:
-        if not self._gate.enter():
-            self._push(ServiceError(grpc.StatusCode.UNAVAILABLE, f"{self._role}: {SHUTDOWN_MESSAGE}"))
-            self._push(_END)
-            return
+        try:
+            if self._gate.enter():
+                self._run_entered()
+            else:
+                self._push(ServiceError(grpc.StatusCode.UNAVAILABLE, f"{self._role}: {SHUTDOWN_MESSAGE}"))
+                self._push(_END)
+        finally:
+            self._slots.release()
+
+    def _run_entered(self) -> None:
         outcome = "error"
+        failure: ServiceError | None = None
         self._metrics.requests_in_flight.inc()
         try:
             responses = self._backend.generate(self._request, lambda: None, self._on_client_gone)
@@ -117,21 +136,26 @@ class BackendCall:
                         raise ServiceError(grpc.StatusCode.CANCELLED, "request cancelled by the client")
                     if response.HasField("final"):
                         outcome = "ok"
+                        with self._lock:
+                            self._is_done = True  # answered: a later cancel has nothing to stop
                     self._push(response)
             finally:
                 responses.close()  # the backend's cleanup runs now (abort, release), not at collection
         except ServiceError as error:
-            outcome = error.code.name.lower()
-            self._push(error)
+            if outcome != "ok":
+                outcome, failure = error.code.name.lower(), error
         except Exception as error:
             logger.exception("HTTP request failed")
-            self._push(
-                ServiceError(grpc.StatusCode.INTERNAL, f"{self._role}: {type(error).__name__}: {error}")
-            )
+            if outcome != "ok":
+                failure = ServiceError(
+                    grpc.StatusCode.INTERNAL, f"{self._role}: {type(error).__name__}: {error}"
+                )
         finally:
             with self._lock:
-                self._is_done = True
+                self._is_done = True  # before the consumer hears of the end, so it never cancels after it
             self._metrics.requests.labels(outcome=outcome).inc()
             self._metrics.requests_in_flight.dec()
             self._gate.exit()
+            if failure is not None:
+                self._push(failure)
             self._push(_END)

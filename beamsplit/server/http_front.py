@@ -48,6 +48,8 @@ from beamsplit.v1 import common_pb2
 from beamsplit.wire import ServiceError
 from engine.tokenizer import Tokenizer
 
+MAX_IN_FLIGHT = 256  # requests (each a thread) at once; more get 429 at once
+
 
 class OpenAIFront:
     """The routes, over one backend and the tokenizer the backend validates with."""
@@ -61,6 +63,7 @@ class OpenAIFront:
         gate: ShutdownGate,
         metrics: ServerMetrics,
         role: str,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
@@ -70,6 +73,7 @@ class OpenAIFront:
         self._metrics = metrics
         self._role = role
         self._created = int(time.time())
+        self._slots = threading.BoundedSemaphore(max_in_flight)
 
     def build_app(self) -> FastAPI:
         app = FastAPI(title="beamsplit", docs_url=None, redoc_url=None, openapi_url=None)
@@ -99,7 +103,7 @@ class OpenAIFront:
         return await self._serve(request, parsed, is_chat=True)
 
     async def _serve(self, request: Request, parsed: CompletionRequest, is_chat: bool) -> Response:
-        call = BackendCall(self._backend, parsed.request, self._gate, self._metrics, self._role)
+        call = BackendCall(self._backend, parsed.request, self._gate, self._metrics, self._role, self._slots)
         call.start()
         prefix = "chatcmpl" if is_chat else "cmpl"
         writer = ResponseWriter(
