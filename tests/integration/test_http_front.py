@@ -10,7 +10,9 @@ every KV pool back to zero blocks in use. A last test starts SmolLM2 for one cha
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ import pytest
 
 from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import ProcessGroup, ServerProcess
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS, LocalCluster, start_local_cluster
 from beamsplit.v1 import common_pb2
 from engine.loader import load_model_tokenizer
 
@@ -320,6 +322,45 @@ def test_client_gone_cancels_the_request(server: ServerProcess, stream: bool) ->
     # `server`'s teardown then checks that every pool is back to zero blocks in use.
 
 
+def test_sigterm_drains_http_then_exits_cleanly(tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path)
+    try:
+        arguments = [*DEFAULT_ENGINE_ARGUMENTS, "--shutdown-grace-s", "2"]
+        server = group.start("aggregated", "aggregated", arguments, http=True)
+        group.wait_healthy(server, 120.0)
+        client = client_of(server)
+        chunks = iter(
+            client.completions.create(
+                model=MODEL,
+                prompt="a long answer",
+                max_tokens=3000,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
+        next(chunks)
+        os.kill(server.pid, signal.SIGTERM)
+        # While the stream drains, new requests are refused with 503 by the same shutdown gate.
+        deadline = time.monotonic() + 10.0
+        status = None
+        while status != 503 and time.monotonic() < deadline:
+            try:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=1, temperature=0)
+            except openai.APIStatusError as error:
+                status = error.status_code
+                assert status == 503 and "server shutting down" in error.message, error
+        assert status == 503
+        # Past --shutdown-grace-s the in-flight stream ends with an error event, then the process exits 0.
+        with pytest.raises(openai.APIError, match="server shutting down"):
+            for _ in chunks:
+                pass
+        assert server.process.wait(timeout=30.0) == 0
+        assert "blocks in use at exit: 0" in server.log_tail(5)
+    finally:
+        group.stop_all()
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     group = ProcessGroup(tmp_path_factory.mktemp("http-front-smollm2"))
@@ -350,3 +391,17 @@ def test_chat_renders_the_model_template(smollm2: ServerProcess) -> None:
     assert chat.choices[0].message.content == completion.choices[0].text
     assert chat.choices[0].message.role == "assistant"
     assert "Paris" in (chat.choices[0].message.content or "")
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == chat.choices[0].message.content
+    )
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
