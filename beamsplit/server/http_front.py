@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from beamsplit.server.backend_call import BackendCall
 from beamsplit.server.client_api_servicer import GenerateBackend
@@ -82,6 +83,7 @@ class OpenAIFront:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_exception_handler(OpenAIRequestError, _request_error_response)  # type: ignore[arg-type]
         app.add_exception_handler(RequestValidationError, _framework_error_response)  # type: ignore[arg-type]
+        app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
         return app
 
     async def models(self) -> dict[str, Any]:
@@ -198,6 +200,16 @@ async def _framework_error_response(request: Request, error: RequestValidationEr
     param = ".".join(location) or None
     message = f"{param or 'request'}: {errors[0].get('msg', 'invalid') if errors else 'invalid'}"
     return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
+
+
+async def _http_error_response(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Unknown route (404), wrong method (405): the OpenAI error shape too."""
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(
+        error_body(message, "invalid_request_error", None, None),
+        status_code=error.status_code,
+        headers=error.headers,
+    )
 
 
 class HttpServer:

@@ -156,3 +156,11 @@ def test_stop_ends_the_server_within_its_bound() -> None:
     assert time.monotonic() - started < 5.0
     with pytest.raises(httpx.ConnectError):
         httpx.get(front.url.replace("/completions", "/models"), timeout=1.0)
+
+
+def test_unknown_route_and_wrong_method_answer_in_the_openai_shape(front: Front) -> None:
+    missing = httpx.post(front.url.replace("/completions", "/embeddings"), json={}, timeout=5.0)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "POST /v1/embeddings: Not Found"
+    wrong = httpx.get(front.url, timeout=5.0)
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
