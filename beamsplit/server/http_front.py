@@ -125,6 +125,9 @@ class OpenAIFront:
         except ServiceError as error:
             call.cancel()
             return _service_error_response(error, parsed)
+        except BaseException:  # this task cancelled (uvicorn's shutdown timeout): stop the backend too
+            call.cancel()
+            raise
         return StreamingResponse(
             self._events(call, first, parsed, writer, is_chat), media_type="text/event-stream"
         )
