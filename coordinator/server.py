@@ -7,6 +7,7 @@ import logging
 import sys
 
 from beamsplit.server.client_api_servicer import ClientApiServicer
+from beamsplit.server.http_front import OpenAIFront, start_http_front
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.request_validation import ModelLimits
 from beamsplit.server.server_common import (
@@ -52,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     fleet_info = infos[0]
     for pool in (context_pool, generation_pool):
         pool.set_expected_info(fleet_info)
-    tokenizer = load_model_tokenizer(args.model or fleet_info.model)
+    model_name = args.model or fleet_info.model
+    tokenizer = load_model_tokenizer(model_name)
     limits = ModelLimits(
         vocab_size=fleet_info.vocab_size,
         max_model_len=fleet_info.max_model_len,
@@ -76,11 +78,16 @@ def run(args: argparse.Namespace) -> int:
         lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
         gate,
     )
+    front = OpenAIFront(service, tokenizer, model_name, limits.max_model_len, gate, metrics, "coordinator")
+    http_server = start_http_front(front, args.host, args.http_port)
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
-    announce("coordinator", server, args.host, args.metrics_port)
+    http = f", http http://{args.host}:{http_server.port}/v1" if http_server else ""
+    announce("coordinator", server, args.host, args.metrics_port, http)
 
     def cleanup() -> None:
+        if http_server is not None:
+            http_server.stop()
         context_pool.close()
         generation_pool.close()
         metrics.close()

@@ -72,3 +72,14 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-attempts", type=int, default=2, help="tries per request on unreachable workers"
     )
+    add_http_arguments(parser)
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """The OpenAI-compatible HTTP front of the client API (coordinator and aggregated server)."""
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on --host (0: none)",
+    )

@@ -72,10 +72,16 @@ class ServerProcess:
     port: int
     metrics_port: int
     log_path: Path
+    http_port: int = 0  # the OpenAI-compatible front's port; 0: none
 
     @property
     def address(self) -> str:
         return f"{HOST}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (for `openai.OpenAI(base_url=...)`)."""
+        return f"http://{HOST}:{self.http_port}/v1"
 
     @property
     def pid(self) -> int:
@@ -138,12 +144,21 @@ class ProcessGroup:
     ports: PortPicker = field(default_factory=PortPicker)
 
     def start(
-        self, name: str, role: str, arguments: list[str], env: dict[str, str] | None = None
+        self,
+        name: str,
+        role: str,
+        arguments: list[str],
+        env: dict[str, str] | None = None,
+        http: bool = False,
     ) -> ServerProcess:
+        """`http`: also serve the OpenAI-compatible front (coordinator and aggregated only)."""
         port, metrics_port = self.ports.pick(), self.ports.pick()
+        http_port = self.ports.pick() if http else 0
+        http_arguments = ["--http-port", str(http_port)] if http else []
         command = [
             sys.executable, "-m", "beamsplit.cli", "serve", role,
-            "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_port), *arguments,
+            "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_port),
+            *http_arguments, *arguments,
         ]  # fmt: skip
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
@@ -155,7 +170,7 @@ class ProcessGroup:
                 env={**os.environ, **(env or {})},
                 start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher, which stops us
             )
-        server = ServerProcess(name, process, port, metrics_port, log_path)
+        server = ServerProcess(name, process, port, metrics_port, log_path, http_port)
         self.processes.append(server)
         return server
 

@@ -42,8 +42,13 @@ def start_local_cluster(
     startup_timeout_s: float = 120.0,
     context_arguments: Sequence[str] = (),
     coordinator_arguments: Sequence[str] = (),
+    aggregated_arguments: Sequence[str] = (),
+    http: bool = False,
 ) -> LocalCluster:
     """Starts all four at once (they load the model in parallel) and waits for each to be healthy.
+
+    `http`: the coordinator and the aggregated server also serve the OpenAI-compatible front
+    (`ServerProcess.http_url`).
 
     On any failure every process already started is stopped before the error propagates.
     """
@@ -52,11 +57,14 @@ def start_local_cluster(
         started = time.monotonic()
         context = group.start("context", "context", [*engine_arguments, *context_arguments])
         generation = group.start("generation", "generation", list(engine_arguments))
-        aggregated = group.start("aggregated", "aggregated", list(engine_arguments))
+        aggregated = group.start(
+            "aggregated", "aggregated", [*engine_arguments, *aggregated_arguments], http=http
+        )
         coordinator = group.start(
             "coordinator",
             "coordinator",
             ["--context", context.address, "--generation", generation.address, *coordinator_arguments],
+            http=http,
         )
         for server in (context, generation, aggregated, coordinator):
             progress(f"starting {server.name:<11} pid {server.pid:<7} on {server.address} ...")

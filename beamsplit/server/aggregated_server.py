@@ -8,6 +8,7 @@ import logging
 from beamsplit.cli.engine_args import engine_config_from_args
 from beamsplit.server.aggregated import AggregatedService
 from beamsplit.server.client_api_servicer import ClientApiServicer
+from beamsplit.server.http_front import OpenAIFront, start_http_front
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import (
     ShutdownGate,
@@ -29,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics("aggregated")
     handle = start_engine(engine_config_from_args(args), metrics)
     gate = ShutdownGate()
-    service = AggregatedService(handle.loop, handle.engine.tokenizer, model_limits(handle.engine), gate)
+    limits = model_limits(handle.engine)
+    service = AggregatedService(handle.loop, handle.engine.tokenizer, limits, gate)
     info = worker_info(handle)
     servicer = ClientApiServicer(
         service,
@@ -44,12 +46,19 @@ def run(args: argparse.Namespace) -> int:
         lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
         gate,
     )
+    front = OpenAIFront(
+        service, handle.engine.tokenizer, args.model, limits.max_model_len, gate, metrics, "aggregated server"
+    )
+    http_server = start_http_front(front, args.host, args.http_port)
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
-    announce("aggregated", server, args.host, args.metrics_port)
+    http = f", http http://{args.host}:{http_server.port}/v1" if http_server else ""
+    announce("aggregated", server, args.host, args.metrics_port, http)
 
     def cleanup() -> None:
         try:
+            if http_server is not None:
+                http_server.stop()
             handle.stop()
         finally:
             metrics.close()

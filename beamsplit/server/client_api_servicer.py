@@ -3,6 +3,8 @@
 It only converts: the backend (`CoordinatorService` or `AggregatedService`) yields responses or
 raises `ServiceError`, and this class turns that into a stream or a status. A client that cancels
 or whose deadline passes triggers the backend's callback so upstream work stops at once.
+`instrumented_responses` is the one request loop both fronts (this servicer and the HTTP front's
+`BackendCall`) run: the shutdown check, the request id in the logs, latencies and outcome counts.
 """
 
 from __future__ import annotations
@@ -69,39 +71,70 @@ class ClientApiServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[common_pb2.GenerateResponse]:
-        outcome = "error"
-        timer = RequestTimer(self._metrics)
-        self._metrics.requests_in_flight.inc()
-
         def on_client_gone(callback: Callable[[], None]) -> None:
             context.add_callback(callback)
 
         try:
-            responses = self._backend.generate(request, context.time_remaining, on_client_gone)
-            try:
-                for response in responses:
-                    if self._gate.is_aborting:
-                        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{self._role}: {SHUTDOWN_MESSAGE}")
-                    if response.HasField("delta"):
-                        timer.on_delta()
-                    if response.HasField("final"):
-                        outcome = "ok"
-                        timer.on_final()
-                        logger.info("finished: %s", _describe_stats(response.final.stats))
-                    yield response
-            finally:
-                responses.close()  # runs the backend's cleanup now, not at garbage collection
+            yield from instrumented_responses(
+                self._backend,
+                request,
+                context.time_remaining,
+                on_client_gone,
+                self._gate,
+                self._metrics,
+                self._role,
+            )
         except ServiceError as error:
-            outcome = error.code.name.lower()
-            logger.info("failed: %s %s", error.code.name, error.message)
             context.abort(error.code, error.message)
-        except Exception as error:
-            logger.exception("request failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"{self._role}: {type(error).__name__}: {error}")
+
+
+def instrumented_responses(
+    backend: GenerateBackend,
+    request: coordinator_pb2.GenerateRequest,
+    time_remaining: Callable[[], float | None],
+    on_client_gone: Callable[[Callable[[], None]], None],
+    gate: ShutdownGate,
+    metrics: ServerMetrics,
+    role: str,
+    is_cancelled: Callable[[], bool] = lambda: False,
+) -> Generator[common_pb2.GenerateResponse, None, None]:
+    """The backend's responses to one request that has entered `gate` (this exits it).
+
+    Raises `ServiceError` for every failure (anything unexpected becomes INTERNAL, logged);
+    `is_cancelled` is a front's own view of its client leaving (CANCELLED).
+    """
+    outcome = "error"
+    timer = RequestTimer(metrics)
+    metrics.requests_in_flight.inc()
+    try:
+        responses = backend.generate(request, time_remaining, on_client_gone)
+        try:
+            for response in responses:
+                if gate.is_aborting:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{role}: {SHUTDOWN_MESSAGE}")
+                if is_cancelled():
+                    raise ServiceError(grpc.StatusCode.CANCELLED, "request cancelled by the client")
+                if response.HasField("delta"):
+                    timer.on_delta()
+                if response.HasField("final"):
+                    outcome = "ok"
+                    timer.on_final()
+                    logger.info("finished: %s", _describe_stats(response.final.stats))
+                yield response
         finally:
-            self._metrics.count_request(outcome)
-            self._metrics.requests_in_flight.dec()
-            self._gate.exit()
+            responses.close()  # runs the backend's cleanup now, not at garbage collection
+    except ServiceError as error:
+        if outcome != "ok":
+            outcome = error.code.name.lower()
+        logger.info("failed: %s %s", error.code.name, error.message)
+        raise
+    except Exception as error:
+        logger.exception("request failed")
+        raise ServiceError(grpc.StatusCode.INTERNAL, f"{role}: {type(error).__name__}: {error}") from error
+    finally:
+        metrics.count_request(outcome)
+        metrics.requests_in_flight.dec()
+        gate.exit()
 
 
 def _describe_stats(stats: common_pb2.RequestStats) -> str:

@@ -1,0 +1,187 @@
+"""The client API's `GenerateResponse`s -> OpenAI JSON: whole responses, stream chunks, error bodies.
+
+Beam search decides its beams only at the end (live beams reorder and get dropped), so a streamed
+beam-search request gets one chunk per returned beam after the search ends. A one-sequence
+request (greedy or sampling) streams its text as tokens are decided, cut at the first stop string.
+Every choice carries beamsplit's extension fields `token_ids`, `cumulative_logprob` and `score`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from beamsplit.server.openai_wire import CompletionRequest
+from beamsplit.v1 import common_pb2
+from engine.tokenizer import Tokenizer
+
+REPLACEMENT_CHARACTER = "\ufffd"  # a multi-byte character whose remaining tokens are not decided yet
+
+# gRPC status -> (HTTP status, OpenAI error type); anything else is 500.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "server_overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+INTERNAL_ERROR = (500, "internal_error")
+
+
+def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    text: str
+    finish_reason: str  # "stop" | "length"
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+
+    def extension(self) -> dict[str, Any]:
+        return {
+            "token_ids": self.token_ids,
+            "cumulative_logprob": self.cumulative_logprob,
+            "score": self.score,
+        }
+
+
+def final_choices(final: common_pb2.FinalResult, parsed: CompletionRequest) -> list[Choice]:
+    """The best `n` beams, best first; a stop string cuts the one sequence's text."""
+    choices = []
+    for index, beam in enumerate(final.beams[: parsed.num_choices]):
+        text, finish_reason = beam.text, beam.finish_reason
+        cut = first_stop(text, parsed.stop)
+        if cut is not None:
+            text, finish_reason = text[:cut], "stop"
+        choices.append(
+            Choice(index, text, finish_reason, list(beam.token_ids), beam.cumulative_logprob, beam.score)
+        )
+    return choices
+
+
+def first_stop(text: str, stop: Sequence[str]) -> int | None:
+    found = [index for index in (text.find(string) for string in stop) if index >= 0]
+    return min(found) if found else None
+
+
+class TextStream:
+    """One sequence's text as its tokens arrive: only text that is final is released.
+
+    Held back: an incomplete multi-byte character, and the longest tail that could still become a
+    stop string. Once a stop string appears, the text before it is the whole answer.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._token_ids: list[int] = []
+        self._sent = ""
+        self.is_stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        self._token_ids.extend(token_ids)
+        text = self._tokenizer.decode(self._token_ids)
+        if text.endswith(REPLACEMENT_CHARACTER):
+            return ""
+        return self._release(text, is_final=False)
+
+    def finish(self, text: str) -> str:
+        """The rest of the final text (the beam's own decode, authoritative)."""
+        return self._release(text, is_final=True)
+
+    def _release(self, text: str, is_final: bool) -> str:
+        if self.is_stopped or not text.startswith(self._sent):
+            return ""  # a tokenizer whose decode is not prefix-stable: the final text decides
+        cut = first_stop(text, self._stop)
+        if cut is not None:
+            self.is_stopped = True
+            end = cut
+        elif is_final:
+            end = len(text)
+        else:
+            end = len(text) - _longest_stop_prefix_tail(text, self._stop)
+        new_text = text[len(self._sent) : max(end, len(self._sent))]
+        self._sent += new_text
+        return new_text
+
+
+def _longest_stop_prefix_tail(text: str, stop: Sequence[str]) -> int:
+    longest = 0
+    for string in stop:
+        for length in range(min(len(string) - 1, len(text)), longest, -1):
+            if string.startswith(text[-length:]):
+                longest = length
+                break
+    return longest
+
+
+class ResponseWriter:
+    """Builds the JSON objects of one completion or chat completion, streamed or not."""
+
+    def __init__(
+        self, parsed: CompletionRequest, model_name: str, is_chat: bool, response_id: str, created: int
+    ):
+        self._parsed = parsed
+        self._model_name = model_name
+        self._is_chat = is_chat
+        self._id = response_id
+        self._created = created
+
+    def response(self, final: common_pb2.FinalResult) -> dict[str, Any]:
+        choices = final_choices(final, self._parsed)
+        body = self._envelope("chat.completion" if self._is_chat else "text_completion")
+        body["choices"] = [self._full_choice(choice) for choice in choices]
+        body["usage"] = usage(final, choices)
+        return body
+
+    def chunk(
+        self, index: int, text: str | None, finish_reason: str | None, extension: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self._is_chat else "text_completion")
+        choice: dict[str, Any] = {"index": index}
+        if self._is_chat:
+            choice["delta"] = {} if text is None else {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text or ""
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        choice.update(extension or {})
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, final: common_pb2.FinalResult) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self._is_chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage(final, final_choices(final, self._parsed))
+        return body
+
+    def _full_choice(self, choice: Choice) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": choice.index}
+        if self._is_chat:
+            body["message"] = {"role": "assistant", "content": choice.text}
+        else:
+            body["text"] = choice.text
+        body["logprobs"] = None
+        body["finish_reason"] = choice.finish_reason
+        body.update(choice.extension())
+        return body
+
+    def _envelope(self, kind: str) -> dict[str, Any]:
+        return {"id": self._id, "object": kind, "created": self._created, "model": self._model_name}
+
+
+def usage(final: common_pb2.FinalResult, choices: Sequence[Choice]) -> dict[str, int]:
+    """Tokens of the returned choices, as decoded (a stop string cuts the text, not the count)."""
+    completion_tokens = sum(len(choice.token_ids) for choice in choices)
+    prompt_tokens = int(final.stats.prompt_tokens)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

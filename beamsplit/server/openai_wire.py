@@ -1,0 +1,329 @@
+"""OpenAI JSON -> the client API's `GenerateRequest`, so the HTTP front and gRPC share one validation.
+
+This module only checks what JSON adds (types, unknown fields, OpenAI-only combinations) and maps
+names; every range check (beam width, max tokens, token ids, temperature with beams, prompt
+length) is left to `request_validation`, whose messages name proto fields. `openai_param` maps
+those names back to the OpenAI field the client sent, for the error body's `param`.
+
+Field mapping (docs/http.md has the table for users):
+    prompt (text | token ids)      -> text | token_ids
+    messages (chat)                -> text rendered by the tokenizer's chat template
+    max_tokens                     -> sampling.max_new_tokens
+    use_beam_search / best_of / n  -> sampling.beam_width (best_of, else n); n beams returned
+    length_penalty, early_stopping -> the same sampling fields
+    stop_token_ids [id]            -> sampling.eos_token_id (replaces the model's eos)
+    temperature (default 1, 0 with beams), top_p, top_k, seed, ignore_eos -> the same fields
+    stop (strings)                 -> cut in the front (one sequence only; refused with beams)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from beamsplit.server.request_validation import EARLY_STOPPING_TO_PROTO
+from beamsplit.v1 import common_pb2, coordinator_pb2
+from engine.chat_template import ChatTemplateError
+from engine.tokenizer import Tokenizer
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI samples with when the field is absent
+MAX_STOP_STRINGS = 4
+
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "n", "best_of", "use_beam_search", "length_penalty", "early_stopping",
+        "stop", "stop_token_ids", "temperature", "top_p", "top_k", "seed", "logprobs", "stream",
+        "stream_options", "ignore_eos", "user", "frequency_penalty", "presence_penalty", "logit_bias",
+    }
+)  # fmt: skip
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+
+# Proto field named at the start of a validation message -> the OpenAI field it came from.
+_PROTO_TO_OPENAI = {
+    "sampling.max_new_tokens": "max_tokens",
+    "sampling.length_penalty": "length_penalty",
+    "sampling.early_stopping": "early_stopping",
+    "sampling.eos_token_id": "stop_token_ids",
+    "sampling.temperature": "temperature",
+    "sampling.top_k": "top_k",
+    "sampling.top_p": "top_p",
+    "sampling.seed": "seed",
+}
+
+
+class OpenAIRequestError(ValueError):
+    """A client mistake found before the request reaches the backend; `param` is the JSON field."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """The proto the backend takes, plus what only the HTTP front acts on."""
+
+    request: coordinator_pb2.GenerateRequest
+    num_choices: int  # n: beams returned (best first), or 1
+    is_beam_search: bool
+    stop: tuple[str, ...]  # cut out of the one sequence's text by the front
+    is_stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    prompt_param: str  # "prompt" or "messages", for errors about the prompt
+    beam_width_param: str  # "best_of" or "n"
+
+
+def parse_completion_request(body: object, model_name: str) -> CompletionRequest:
+    fields = _fields(body, COMPLETION_FIELDS, model_name)
+    if _bool(fields, "echo", False):
+        raise OpenAIRequestError("echo", "echo is not supported: the response holds generated text only")
+    if _str(fields, "suffix", "") != "":
+        raise OpenAIRequestError("suffix", "suffix (insertion) is not supported")
+    _no_token_logprobs(fields, "logprobs", is_chat=False)
+    request = coordinator_pb2.GenerateRequest()
+    prompt = fields.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, list) and all(_is_int(token) for token in prompt):
+        if not all(-(2**63) <= token < 2**63 for token in prompt):
+            raise OpenAIRequestError("prompt", "prompt: a token id is out of range")
+        request.token_ids.CopyFrom(common_pb2.TokenIds(token_ids=prompt))
+    elif isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        raise OpenAIRequestError(
+            "prompt", "prompt: one prompt per request (a batch of prompts is not supported)"
+        )
+    else:
+        raise OpenAIRequestError("prompt", "prompt must be a string or a list of token ids")
+    return _with_sampling(request, fields, "prompt", max_tokens_name="max_tokens")
+
+
+def parse_chat_request(body: object, model_name: str, tokenizer: Tokenizer) -> CompletionRequest:
+    fields = _fields(body, CHAT_FIELDS, model_name)
+    _no_token_logprobs(fields, "logprobs", is_chat=True)
+    if _int(fields, "top_logprobs", 0) != 0:
+        raise OpenAIRequestError("top_logprobs", "top_logprobs is not supported (no per-token log-probs)")
+    template = tokenizer.chat_template
+    if template is None:
+        raise OpenAIRequestError(
+            "messages",
+            f"model {model_name!r} has no chat template: use /v1/completions with a prompt instead",
+        )
+    messages = fields.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIRequestError("messages", "messages must be a non-empty list of {role, content} objects")
+    rendered = [_chat_message(message, index) for index, message in enumerate(messages)]
+    try:
+        text = template.render(rendered)
+    except ChatTemplateError as error:
+        raise OpenAIRequestError("messages", f"messages: {error}") from error
+    request = coordinator_pb2.GenerateRequest(text=text)
+    max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    return _with_sampling(request, fields, "messages", max_tokens_name=max_tokens_name)
+
+
+def openai_param(message: str, parsed: CompletionRequest) -> str | None:
+    """The OpenAI field a `request_validation` message is about (None: not one field)."""
+    if message.startswith("prompt"):
+        return parsed.prompt_param
+    if message.startswith("sampling.beam_width"):
+        return parsed.beam_width_param
+    for proto_name, param in _PROTO_TO_OPENAI.items():
+        if message.startswith(proto_name):
+            return param
+    return None
+
+
+def _fields(body: object, known: frozenset[str], model_name: str) -> dict[str, Any]:
+    if not isinstance(body, Mapping):
+        raise OpenAIRequestError(None, "the request body must be a JSON object")
+    fields = {str(name): value for name, value in body.items() if value is not None}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise OpenAIRequestError(unknown[0], f"{unknown[0]} is not a field this server implements")
+    model = fields.get("model")
+    if model is not None and model != model_name:
+        raise OpenAIRequestError(
+            "model", f"model {model!r} is not served here; this server serves {model_name!r}"
+        )
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _float(fields, name, 0.0) != 0.0:
+            raise OpenAIRequestError(name, f"{name} is not supported (only 0)")
+    if fields.get("logit_bias"):
+        raise OpenAIRequestError("logit_bias", "logit_bias is not supported")
+    _str(fields, "user", "")
+    return fields
+
+
+def _with_sampling(
+    request: coordinator_pb2.GenerateRequest, fields: dict[str, Any], prompt_param: str, max_tokens_name: str
+) -> CompletionRequest:
+    n = _int(fields, "n", 1, bits=32)
+    best_of = _int(fields, "best_of", None, bits=32)
+    temperature = _float(fields, "temperature", None)
+    is_beam_search = _bool(fields, "use_beam_search", False) or (
+        best_of is not None and best_of > 1 and temperature == 0.0
+    )
+    if n < 1:
+        raise OpenAIRequestError("n", f"n must be >= 1, got {n}")
+    options = common_pb2.SamplingOptions()
+    if is_beam_search:
+        options.beam_width = best_of if best_of is not None else n
+        if best_of is not None and n > best_of:
+            raise OpenAIRequestError("n", f"n must be <= best_of, got n={n}, best_of={best_of}")
+        options.temperature = 0.0 if temperature is None else temperature
+    else:
+        if n > 1 or (best_of is not None and best_of > 1):
+            param = "n" if n > 1 else "best_of"
+            raise OpenAIRequestError(
+                param,
+                f"{param} > 1 needs beam search (use_beam_search: true, or best_of > 1 with temperature 0); "
+                "independent samples are not supported",
+            )
+        options.temperature = OPENAI_DEFAULT_TEMPERATURE if temperature is None else temperature
+    max_tokens = _int(fields, max_tokens_name, None, bits=32)
+    if max_tokens is not None:
+        options.max_new_tokens = max_tokens
+    length_penalty = _float(fields, "length_penalty", None)
+    if length_penalty is not None:
+        options.length_penalty = length_penalty
+    options.early_stopping = _early_stopping(fields)
+    top_p = _float(fields, "top_p", None)
+    if top_p is not None:
+        options.top_p = top_p
+    options.top_k = _int(fields, "top_k", 0, bits=32)
+    seed = _int(fields, "seed", None)
+    if seed is not None:
+        options.seed = seed
+    options.ignore_eos = _bool(fields, "ignore_eos", False)
+    stop_token_ids = fields.get("stop_token_ids", [])
+    if not isinstance(stop_token_ids, list) or not all(
+        _is_int(token) and -(2**63) <= token < 2**63 for token in stop_token_ids
+    ):
+        raise OpenAIRequestError("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if len(stop_token_ids) > 1:
+        raise OpenAIRequestError(
+            "stop_token_ids", "stop_token_ids: the engine stops on one token id; give at most one"
+        )
+    if stop_token_ids:
+        options.eos_token_id = stop_token_ids[0]
+    stop = _stop_strings(fields)
+    if stop and is_beam_search:
+        raise OpenAIRequestError(
+            "stop",
+            "stop strings are not supported with beam search (its beams end only on one token: use "
+            "stop_token_ids)",
+        )
+    stream_options = fields.get("stream_options", {})
+    if not isinstance(stream_options, Mapping):
+        raise OpenAIRequestError("stream_options", "stream_options must be an object")
+    include_usage = _bool(dict(stream_options), "include_usage", False)
+    request.sampling.CopyFrom(options)
+    return CompletionRequest(
+        request=request,
+        num_choices=n,
+        is_beam_search=is_beam_search,
+        stop=stop,
+        is_stream=_bool(fields, "stream", False),
+        include_usage=include_usage,
+        prompt_param=prompt_param,
+        beam_width_param="best_of" if best_of is not None else "n",
+    )
+
+
+def _chat_message(message: object, index: int) -> dict[str, str]:
+    if not isinstance(message, Mapping):
+        raise OpenAIRequestError("messages", f"messages[{index}] must be an object with role and content")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise OpenAIRequestError("messages", f"messages[{index}].role must be a string")
+    if isinstance(content, list):  # content parts: only text can be rendered
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise OpenAIRequestError(
+                    "messages", f"messages[{index}].content: only text parts are supported"
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise OpenAIRequestError("messages", f"messages[{index}].content must be a string or text parts")
+    return {"role": role, "content": content}
+
+
+def _no_token_logprobs(fields: dict[str, Any], name: str, is_chat: bool) -> None:
+    value = fields.get(name)
+    if value is None or value is False:
+        return
+    if is_chat and value is not True:
+        raise OpenAIRequestError(name, f"{name} must be a boolean")
+    raise OpenAIRequestError(
+        name,
+        f"{name}: per-token log-probs are not available; every choice carries its cumulative_logprob "
+        "(and beam score) instead",
+    )
+
+
+def _stop_strings(fields: dict[str, Any]) -> tuple[str, ...]:
+    stop = fields.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(item, str) and item for item in stop):
+        raise OpenAIRequestError("stop", "stop must be a non-empty string or a list of them")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise OpenAIRequestError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    return tuple(stop)
+
+
+def _early_stopping(fields: dict[str, Any]) -> Any:
+    value = fields.get("early_stopping", False)
+    if value not in (True, False, "never") or _is_int(value):
+        raise OpenAIRequestError(
+            "early_stopping", f'early_stopping must be true, false or "never", got {value!r}'
+        )
+    return EARLY_STOPPING_TO_PROTO[value]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(fields: dict[str, Any], name: str, default: Any, bits: int = 64) -> Any:
+    """An integer that fits the proto field (`bits` wide, signed), so range errors name the field."""
+    value = fields.get(name, default)
+    if value is not default and not _is_int(value):
+        raise OpenAIRequestError(name, f"{name} must be an integer, got {value!r}")
+    if value is not None and not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+        raise OpenAIRequestError(name, f"{name} is out of range, got {value}")
+    return value
+
+
+def _float(fields: dict[str, Any], name: str, default: Any) -> Any:
+    value = fields.get(name, default)
+    if value is not default and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise OpenAIRequestError(name, f"{name} must be a number, got {value!r}")
+    try:
+        return None if value is None else float(value)
+    except OverflowError:
+        raise OpenAIRequestError(name, f"{name} is out of range") from None
+
+
+def _bool(fields: dict[str, Any], name: str, default: bool) -> bool:
+    value = fields.get(name, default)
+    if not isinstance(value, bool):
+        raise OpenAIRequestError(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _str(fields: dict[str, Any], name: str, default: str) -> str:
+    value = fields.get(name, default)
+    if not isinstance(value, str):
+        raise OpenAIRequestError(name, f"{name} must be a string, got {value!r}")
+    return value
