@@ -58,6 +58,7 @@ def test_token_ids_and_stop_token_id() -> None:
         ({"n": 2**40, "use_beam_search": True}, "n"),
         ({"n": 2}, "n"),
         ({"best_of": 2}, "best_of"),  # sampling: best_of > 1 needs temperature 0 or use_beam_search
+        ({"best_of": 0, "use_beam_search": True}, "best_of"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": {"text": "x"}}, "prompt"),
         ({"stop": ["a"] * 5}, "stop"),
