@@ -87,7 +87,7 @@ def generate(address: str, token_ids: list[int], beam_width: int, request_id: st
         return dict(client.generate(request, timeout_s=120.0).stats)
 
 
-def wait_until(condition: object, timeout_s: float = 5.0) -> bool:
+def wait_until(condition: object, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():  # type: ignore[operator]
