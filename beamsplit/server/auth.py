@@ -2,11 +2,11 @@
 
 A server given a token (`--auth-token-file FILE`, else the `BEAMSPLIT_AUTH_TOKEN` environment
 variable: `beamsplit.cli.security_args`) refuses every call that does not carry
-`authorization: Bearer <token>`: gRPC answers UNAUTHENTICATED, HTTP answers 401 with an OpenAI error body (`code: "invalid_api_key"`, so the
-openai client raises AuthenticationError). The gRPC health service stays open: probes and load
+`authorization: Bearer <token>`: gRPC answers UNAUTHENTICATED, HTTP answers 401 with an OpenAI
+error body (`code: "invalid_api_key"`, so the openai client raises AuthenticationError). The gRPC health service stays open: probes and load
 balancers carry no token. Without a token nothing is checked. Tokens are compared in constant time.
 Clients (grpc_client, `generate`/`status --target`) read the same file flag or variable and send it;
-the openai client sends its `api_key` in that header already.
+the openai client sends its `api_key` in that header already. The HTTP side is `http_auth.py`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from beamsplit.server.openai_response import error_body
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
 UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (send 'authorization: Bearer <token>')"
@@ -65,30 +61,3 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
-
-
-class BearerTokenMiddleware:
-    """ASGI middleware of the HTTP front: 401 in the OpenAI error shape without the token.
-
-    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would stand between the routes
-    and the client's disconnect that cancels the backend call."""
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self._app = app
-        self._token = token
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            headers = {name.decode("latin-1").lower(): value for name, value in scope.get("headers", [])}
-            value = headers.get("authorization")
-            if not is_authorized(None if value is None else value.decode("latin-1"), self._token):
-                body = error_body(
-                    "missing or wrong API key (send 'Authorization: Bearer <token>')",
-                    "invalid_request_error",
-                    None,
-                    "invalid_api_key",
-                )
-                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self._app(scope, receive, send)

@@ -26,9 +26,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from beamsplit.server.auth import BearerTokenMiddleware
 from beamsplit.server.backend_call import BackendCall
 from beamsplit.server.client_api_servicer import GenerateBackend
+from beamsplit.server.http_auth import BearerTokenMiddleware
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.openai_response import (
     HTTP_STATUS,
