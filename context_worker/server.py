@@ -14,6 +14,7 @@ from beamsplit.server.server_common import (
     run_until_signalled,
     start_grpc_server,
 )
+from beamsplit.server.tls import tls_from_args
 from beamsplit.server.worker_setup import (
     KV_REGION_NAME,
     describe_transfer_agent,
@@ -31,6 +32,7 @@ SERVICE_NAME = "beamsplit.v1.ContextWorker"
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("context")
+    tls = tls_from_args(args)
     metrics = ServerMetrics("context")
     handle = start_engine(engine_config_from_args(args), metrics)
     agent = start_transfer_agent(handle, args)
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         lambda grpc_server: worker_pb2_grpc.add_ContextWorkerServicer_to_server(servicer, grpc_server),
         gate,
+        tls=tls,
     )
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])

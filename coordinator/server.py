@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from beamsplit.cli.security_args import load_token
 from beamsplit.server.client_api_servicer import ClientApiServicer
 from beamsplit.server.http_front import OpenAIFront, start_http_front
 from beamsplit.server.metrics import ServerMetrics
@@ -18,6 +19,7 @@ from beamsplit.server.server_common import (
     start_grpc_server,
 )
 from beamsplit.server.status import server_status
+from beamsplit.server.tls import tls_from_args
 from beamsplit.v1 import common_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from coordinator.service import CoordinatorService, CoordinatorSettings
 from coordinator.worker_pool import WorkerPool
@@ -33,9 +35,13 @@ def _split(addresses: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("coordinator")
+    tls = tls_from_args(args)  # our listeners' certificate, and the CA and client cert to reach workers
+    auth_token = load_token(args)
     metrics = ServerMetrics("coordinator")
-    context_pool = WorkerPool("context", _split(args.context), worker_pb2_grpc.ContextWorkerStub)
-    generation_pool = WorkerPool("generation", _split(args.generation), worker_pb2_grpc.GenerationWorkerStub)
+    context_pool = WorkerPool("context", _split(args.context), worker_pb2_grpc.ContextWorkerStub, tls=tls)
+    generation_pool = WorkerPool(
+        "generation", _split(args.generation), worker_pb2_grpc.GenerationWorkerStub, tls=tls
+    )
     context_pool.start()
     generation_pool.start()
     infos: list[common_pb2.WorkerInfo] = []
@@ -77,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
         gate,
+        tls=tls,
+        auth_token=auth_token,
     )
     front = OpenAIFront(service, tokenizer, model_name, limits.max_model_len, gate, metrics, "coordinator")
-    http_server = start_http_front(front, args.host, args.http_port)
+    http_server = start_http_front(front, args.host, args.http_port, tls, auth_token)
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
     http = f", http http://{args.host}:{http_server.port}/v1" if http_server else ""

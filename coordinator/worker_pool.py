@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from beamsplit.server.server_common import check_health, peer_channel
+from beamsplit.server.tls import TlsConfig
 from beamsplit.v1 import common_pb2, coordinator_pb2
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,13 @@ class WorkerPool:
     stub_factory: Callable[[grpc.Channel], Any]
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 1.0
+    tls: TlsConfig | None = None  # a CA: TLS to the workers (our certificate shown, for mutual TLS)
     workers: list[WorkerHandle] = field(init=False)
 
     def __post_init__(self) -> None:
         self.workers = []
         for address in self.addresses:
-            channel = peer_channel(address)
+            channel = peer_channel(address, self.tls)
             self.workers.append(WorkerHandle(address, channel, self.stub_factory(channel)))
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)

@@ -12,14 +12,16 @@ import threading
 import grpc
 
 from beamsplit.server.server_common import peer_channel
+from beamsplit.server.tls import TlsConfig
 from beamsplit.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
 class ContextClient:
-    def __init__(self, call_timeout_s: float = 2.0) -> None:
+    def __init__(self, call_timeout_s: float = 2.0, tls: TlsConfig | None = None) -> None:
         self._call_timeout_s = call_timeout_s
+        self._tls = tls  # a CA: TLS to context workers, our certificate shown (mutual TLS)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -27,7 +29,7 @@ class ContextClient:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = peer_channel(address)
+                channel = peer_channel(address, self._tls)
                 self._channels[address] = channel
         return worker_pb2_grpc.ContextWorkerStub(channel)
 

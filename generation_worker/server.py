@@ -14,6 +14,7 @@ from beamsplit.server.server_common import (
     run_until_signalled,
     start_grpc_server,
 )
+from beamsplit.server.tls import tls_from_args
 from beamsplit.server.worker_setup import (
     KV_REGION_NAME,
     describe_transfer_agent,
@@ -33,6 +34,7 @@ SERVICE_NAME = "beamsplit.v1.GenerationWorker"
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("generation")
+    tls = tls_from_args(args)
     metrics = ServerMetrics("generation")
     handle = start_engine(engine_config_from_args(args), metrics)
     agent = start_transfer_agent(handle, args)
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         model=info.model,
     )
     gate = ShutdownGate()
-    context_client = ContextClient()
+    context_client = ContextClient(tls=tls)
     service = GenerationService(
         handle.loop,
         agent,
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         lambda grpc_server: worker_pb2_grpc.add_GenerationWorkerServicer_to_server(servicer, grpc_server),
         gate,
+        tls=tls,
     )
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])

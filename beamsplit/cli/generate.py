@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from beamsplit.cli import security_args
 from beamsplit.cli.engine_args import add_engine_arguments, engine_config_from_args
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--target", metavar="HOST:PORT", help="send the request to a running server")
+    security_args.add_client_tls_arguments(parser)
     parser.set_defaults(generate_parser=parser)
 
 

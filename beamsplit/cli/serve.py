@@ -78,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
+        from beamsplit.cli.security_args import AuthConfigError
+        from beamsplit.server.tls import TlsConfigError
         from beamsplit.server.worker_setup import ModelLoadError
 
         device_error = _device_error(getattr(args, "device", None))
@@ -86,7 +88,7 @@ def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
             return 2
         try:
             return int(importlib.import_module(module_name).run(args))
-        except ModelLoadError as error:  # one line, no traceback: the user named a bad file
+        except (ModelLoadError, TlsConfigError, AuthConfigError) as error:  # one line: a bad file or flag
             print(f"[{args.role}] error: {error}", file=sys.stderr)
             return 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from beamsplit.cli import engine_args
+from beamsplit.cli import engine_args, security_args
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -15,6 +15,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     group.add_argument(
         "--shutdown-grace-s", type=float, default=10.0, help="how long SIGTERM waits for in-flight requests"
     )
+    security_args.add_server_tls_arguments(parser)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +77,9 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
-    """The OpenAI-compatible HTTP front of the client API (coordinator and aggregated server)."""
+    """The OpenAI-compatible HTTP front of the client API (coordinator and aggregated server), and
+    the bearer token both its fronts require."""
+    security_args.add_auth_arguments(parser, is_server=True)
     parser.add_argument(
         "--http-port",
         type=int,

@@ -15,6 +15,8 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from beamsplit.cli import security_args
+from beamsplit.server.tls import TlsConfig, open_channel, tls_from_args
 from beamsplit.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 COLUMNS = ("WORKER", "ROLE", "HEALTH", "REQS", "QUEUED", "KV USED/CACHED/TOTAL", "HIT RATE", "TRANSFERS")
@@ -32,22 +34,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--timeout-s", type=float, default=5.0, help="how long to wait for an answer (default: 5)"
     )
     parser.add_argument("--json", action="store_true", help="print the GetStatus reply as JSON")
+    security_args.add_client_tls_arguments(parser)
     parser.set_defaults(handler=run)
 
 
-def fetch_status(target: str, timeout_s: float) -> coordinator_pb2.StatusResponse:
+def fetch_status(
+    target: str, timeout_s: float, tls: TlsConfig | None = None, auth_token: str | None = None
+) -> coordinator_pb2.StatusResponse:
     """Waits up to `timeout_s` for the target to answer; raises grpc.RpcError otherwise."""
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, tls) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         response: coordinator_pb2.StatusResponse = stub.GetStatus(
-            coordinator_pb2.StatusRequest(), timeout=timeout_s, wait_for_ready=True
+            coordinator_pb2.StatusRequest(),
+            timeout=timeout_s,
+            wait_for_ready=True,
+            metadata=security_args.bearer_metadata(auth_token),
         )
         return response
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        status = fetch_status(args.target, args.timeout_s)
+        status = fetch_status(
+            args.target, args.timeout_s, tls_from_args(args), security_args.load_token(args)
+        )
     except grpc.RpcError as error:
         code = error.code()
         reason = (

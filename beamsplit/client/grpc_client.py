@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import grpc
-
+from beamsplit.cli.security_args import bearer_metadata
+from beamsplit.server.tls import TlsConfig, open_channel
 from beamsplit.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from beamsplit.wire import apply_delta, beams_from_proto, stats_to_dict
 from engine.types import Beam
@@ -50,15 +50,18 @@ def build_request(
 
 
 class BeamsplitClient:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, tls: TlsConfig | None = None, auth_token: str | None = None) -> None:
+        """`tls` with a CA: connect with TLS (and a client certificate when it has one);
+        `auth_token`: sent as `authorization: Bearer` on every call (docs/security.md)."""
         self.target = target
-        self._channel = grpc.insecure_channel(target)
+        self._channel = open_channel(target, tls)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._metadata = bearer_metadata(auth_token)
 
     def stream(
         self, request: coordinator_pb2.GenerateRequest, timeout_s: float = 300.0
     ) -> Iterator[common_pb2.GenerateResponse]:
-        return self._stub.Generate(request, timeout=timeout_s)  # type: ignore[no-any-return]
+        return self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)  # type: ignore[no-any-return]
 
     def generate(self, request: coordinator_pb2.GenerateRequest, timeout_s: float = 300.0) -> GenerateResult:
         """Runs one request to its final message; raises grpc.RpcError on a failure status."""

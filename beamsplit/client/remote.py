@@ -41,7 +41,10 @@ def run_generate_remote(args: argparse.Namespace) -> int:
         prompt=args.prompt, token_ids=args.token_ids, sampling=sampling_options_from_args(args)
     )
     timeout_s = float(getattr(args, "timeout_s", None) or DEFAULT_TIMEOUT_S)
-    with BeamsplitClient(args.target) as client:
+    from beamsplit.cli.security_args import load_token
+    from beamsplit.server.tls import tls_from_args
+
+    with BeamsplitClient(args.target, tls_from_args(args), load_token(args)) as client:
         try:
             result = client.generate(request, timeout_s=timeout_s)
         except grpc.RpcError as error:

@@ -20,8 +20,9 @@ from typing import Protocol
 
 from beamsplit.server.metrics import read_gauge
 from beamsplit.server.server_common import wait_until_healthy
+from beamsplit.server.tls import TlsConfig
 
-HOST = "127.0.0.1"
+HOST = "127.0.0.1"  # the servers' default --host, which the launcher relies on rather than passes
 
 
 class PortPicker:
@@ -142,6 +143,7 @@ class ProcessGroup:
     log_dir: Path
     processes: list[ServerProcess] = field(default_factory=list)
     ports: PortPicker = field(default_factory=PortPicker)
+    tls: TlsConfig | None = None  # how health waits connect: a CA (and client cert) for TLS servers
 
     def start(
         self,
@@ -156,8 +158,9 @@ class ProcessGroup:
         http_port = self.ports.pick() if http else 0
         http_arguments = ["--http-port", str(http_port)] if http else []
         command = [
+            # No --host: every listener must bind loopback by default (tests/integration/test_security.py).
             sys.executable, "-m", "beamsplit.cli", "serve", role,
-            "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_port),
+            "--port", str(port), "--metrics-port", str(metrics_port),
             *http_arguments, *arguments,
         ]  # fmt: skip
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -177,7 +180,7 @@ class ProcessGroup:
     def wait_healthy(self, server: ServerProcess, timeout_s: float) -> float:
         """Seconds it took; raises RuntimeError (with the log's tail) on death or timeout."""
         started = time.monotonic()
-        if not wait_until_healthy(server.address, timeout_s, is_alive=server.is_alive):
+        if not wait_until_healthy(server.address, timeout_s, is_alive=server.is_alive, tls=self.tls):
             state = "exited" if not server.is_alive() else f"not healthy after {timeout_s:.0f} s"
             raise RuntimeError(f"{server.name} ({server.address}) {state}; log:\n{server.log_tail()}")
         return time.monotonic() - started

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beamsplit.launch.launcher import ProcessGroup, ServerProcess
+from beamsplit.server.tls import TlsConfig
 
 DEFAULT_ENGINE_ARGUMENTS = ("--model", "tiny", "--dtype", "float64", "--tokens-per-block", "32")
 
@@ -41,22 +42,24 @@ def start_local_cluster(
     progress: Callable[[str], None] = lambda message: None,
     startup_timeout_s: float = 120.0,
     context_arguments: Sequence[str] = (),
+    generation_arguments: Sequence[str] = (),
     coordinator_arguments: Sequence[str] = (),
     aggregated_arguments: Sequence[str] = (),
     http: bool = False,
+    client_tls: TlsConfig | None = None,
 ) -> LocalCluster:
     """Starts all four at once (they load the model in parallel) and waits for each to be healthy.
 
     `http`: the coordinator and the aggregated server also serve the OpenAI-compatible front
-    (`ServerProcess.http_url`).
+    (`ServerProcess.http_url`). `client_tls`: how the health waits reach servers started with TLS.
 
     On any failure every process already started is stopped before the error propagates.
     """
-    group = ProcessGroup(log_dir)
+    group = ProcessGroup(log_dir, tls=client_tls)
     try:
         started = time.monotonic()
         context = group.start("context", "context", [*engine_arguments, *context_arguments])
-        generation = group.start("generation", "generation", list(engine_arguments))
+        generation = group.start("generation", "generation", [*engine_arguments, *generation_arguments])
         aggregated = group.start(
             "aggregated", "aggregated", [*engine_arguments, *aggregated_arguments], http=http
         )

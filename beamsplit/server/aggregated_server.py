@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.cli.security_args import load_token
 from beamsplit.server.aggregated import AggregatedService
 from beamsplit.server.client_api_servicer import ClientApiServicer
 from beamsplit.server.http_front import OpenAIFront, start_http_front
@@ -18,6 +19,7 @@ from beamsplit.server.server_common import (
     start_grpc_server,
 )
 from beamsplit.server.status import self_status
+from beamsplit.server.tls import tls_from_args
 from beamsplit.server.worker_setup import model_limits, start_engine, worker_info
 from beamsplit.v1 import coordinator_pb2_grpc
 
@@ -27,6 +29,8 @@ SERVICE_NAME = "beamsplit.v1.Coordinator"
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("aggregated")
+    tls = tls_from_args(args)
+    auth_token = load_token(args)
     metrics = ServerMetrics("aggregated")
     handle = start_engine(engine_config_from_args(args), metrics)
     gate = ShutdownGate()
@@ -45,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
         gate,
+        tls=tls,
+        auth_token=auth_token,
     )
     front = OpenAIFront(
         service, handle.engine.tokenizer, args.model, limits.max_model_len, gate, metrics, "aggregated server"
     )
-    http_server = start_http_front(front, args.host, args.http_port)
+    http_server = start_http_front(front, args.host, args.http_port, tls, auth_token)
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
     http = f", http http://{args.host}:{http_server.port}/v1" if http_server else ""

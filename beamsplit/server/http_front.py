@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from beamsplit.server.backend_call import BackendCall
 from beamsplit.server.client_api_servicer import GenerateBackend
+from beamsplit.server.http_auth import BearerTokenMiddleware
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.openai_response import (
     HTTP_STATUS,
@@ -45,6 +46,7 @@ from beamsplit.server.openai_wire import (
     parse_completion_request,
 )
 from beamsplit.server.server_common import ShutdownGate
+from beamsplit.server.tls import TlsConfig
 from beamsplit.v1 import common_pb2
 from beamsplit.wire import ServiceError
 from engine.tokenizer import Tokenizer
@@ -218,9 +220,15 @@ async def _http_error_response(request: Request, error: StarletteHTTPException) 
 class HttpServer:
     """uvicorn on a thread beside the gRPC server; `stop` ends it within a bound."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsConfig | None = None) -> None:
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            **(tls.uvicorn_options() if tls is not None else {}),
         )
         self._server = uvicorn.Server(config)
         self._socket = config.bind_socket()
@@ -245,10 +253,16 @@ class HttpServer:
             self._thread.join(timeout_s)
 
 
-def start_http_front(front: OpenAIFront, host: str, port: int) -> HttpServer | None:
-    """Port 0: no HTTP front (the flag's default)."""
+def start_http_front(
+    front: OpenAIFront, host: str, port: int, tls: TlsConfig | None = None, auth_token: str | None = None
+) -> HttpServer | None:
+    """Port 0: no HTTP front (the flag's default). HTTPS with `tls`'s certificate; with `auth_token`
+    every route answers 401 without it (docs/security.md)."""
     if not port:
         return None
-    server = HttpServer(front.build_app(), host, port)
+    app = front.build_app()
+    if auth_token:
+        app.add_middleware(BearerTokenMiddleware, token=auth_token)
+    server = HttpServer(app, host, port, tls)
     server.start()
     return server

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from beamsplit.server.auth import BearerTokenInterceptor
 from beamsplit.server.log_context import RequestIdFilter
+from beamsplit.server.tls import TlsConfig, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +98,22 @@ def start_grpc_server(
     register: Callable[[grpc.Server], None],
     gate: ShutdownGate,
     max_workers: int = 32,
+    tls: TlsConfig | None = None,
+    auth_token: str | None = None,
 ) -> GrpcServer:
-    """Binds (port 0 picks a free one), registers the role's servicers plus health, and starts."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    """Binds (port 0 picks a free one), registers the role's servicers plus health, and starts.
+
+    With `tls` holding a certificate the port speaks TLS only (mutual when it requires client
+    certs); with `auth_token` every call but the health service needs the bearer token."""
+    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     register(server)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None and tls.is_server_tls:
+        bound_port = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
     if bound_port == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
@@ -135,9 +146,10 @@ PEER_CHANNEL_OPTIONS = (
 )
 
 
-def peer_channel(address: str) -> grpc.Channel:
-    """An insecure channel to another beamsplit process, reconnecting within a second of it listening."""
-    return grpc.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
+def peer_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A channel to another beamsplit process, reconnecting within a second of it listening; TLS
+    (showing our certificate, for mutual TLS) when `tls` has a CA."""
+    return open_channel(address, tls, options=PEER_CHANNEL_OPTIONS)
 
 
 def check_health(channel: grpc.Channel, timeout_s: float) -> bool:
@@ -150,10 +162,15 @@ def check_health(channel: grpc.Channel, timeout_s: float) -> bool:
     return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def wait_until_healthy(address: str, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> bool:
+def wait_until_healthy(
+    address: str,
+    timeout_s: float,
+    is_alive: Callable[[], bool] | None = None,
+    tls: TlsConfig | None = None,
+) -> bool:
     """Polls the health service of `address` until SERVING, the bound, or `is_alive()` is false."""
     deadline = time.monotonic() + timeout_s
-    with peer_channel(address) as channel:
+    with peer_channel(address, tls) as channel:
         while time.monotonic() < deadline:
             if is_alive is not None and not is_alive():
                 return False
