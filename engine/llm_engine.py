@@ -51,6 +51,7 @@ class _Reservation:
     prompt_ids: list[int]
     salt: bytes
     new_blocks: int
+    state_slot_ids: list[int]  # hybrid, with params: the request's W slots, taken up front
 
 
 class LLMEngine:
@@ -204,7 +205,8 @@ class LLMEngine:
         self, request_id: str, prompt_ids: list[int], salt: bytes = b"", params: SamplingParams | None = None
     ) -> PromptReservation:
         """Blocks for a prompt whose KV will be pulled. With `params`, the request's whole block
-        bound must fit next to the running requests' (else OutOfBlocksError, nothing held)."""
+        bound must fit next to the running requests' and, for a hybrid model, its W state slots
+        are taken now (else OutOfBlocksError, nothing held)."""
         self._check_prompt(prompt_ids, 0 if params is None else params.max_new_tokens)
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -225,13 +227,21 @@ class LLMEngine:
             if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
                 self.kv_cache.free(table)
                 raise OutOfBlocksError(f"request {request_id!r} needs up to {bound} blocks; the pool is full")
-        self._reservations[request_id] = _Reservation(table, list(prompt_ids), salt, new_blocks)
+        slot_ids: list[int] = []
+        if params is not None and self.state_pool is not None:
+            try:
+                slot_ids = self.state_pool.allocate_slots(params.beam_width)
+            except OutOfBlocksError:
+                self.kv_cache.free(table)
+                raise
+        self._reservations[request_id] = _Reservation(table, list(prompt_ids), salt, new_blocks, slot_ids)
         return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
 
     def cancel_reservation(self, request_id: str) -> None:
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:
             self.kv_cache.free(reservation.table)
+            self._free_slots(reservation.state_slot_ids)
 
     def add_prefilled_request(
         self,
@@ -263,7 +273,12 @@ class LLMEngine:
                 raise ValueError(
                     f"recurrent_state must hold {self.state_pool.state_bytes} bytes, got {len(recurrent_state)}"
                 )
-            request.state_slot_ids = self.state_pool.allocate_slots(request.num_beams)
+            if len(held.state_slot_ids) != request.num_beams:
+                # Reserved without params (or for another width); a refusal leaves it unchanged.
+                fresh_slot_ids = self.state_pool.allocate_slots(request.num_beams)
+                self._free_slots(held.state_slot_ids)
+                held.state_slot_ids = fresh_slot_ids
+            request.state_slot_ids = held.state_slot_ids
             self.state_pool.write(request.state_slot_ids[0], recurrent_state)
         del self._reservations[request_id]
         request.tables = [held.table]
@@ -316,7 +331,11 @@ class LLMEngine:
         tables.extend(reservation.table for reservation in self._reservations.values())
         self.kv_cache.check_integrity(tables)
         if self.state_pool is not None:
-            self.state_pool.check_integrity(self.scheduler.live_slot_ids())
+            slot_ids = list(self.scheduler.live_slot_ids())
+            slot_ids.extend(
+                slot for reservation in self._reservations.values() for slot in reservation.state_slot_ids
+            )
+            self.state_pool.check_integrity(slot_ids)
 
     # -- recurrent state ---------------------------------------------------------------------
     def _prompt_input(

@@ -125,6 +125,9 @@ def test_context_and_generation_engines_equal_the_aggregated_one(prompt_len: int
     assert context.state_pool is not None and len(result.recurrent_state) == context.state_pool.state_bytes
     context.check_integrity()
     reservation = generation.reserve_prompt("r", prompt, params=params)
+    assert generation.state_pool is not None
+    assert generation.state_pool.num_free_slots() == generation.state_pool.num_slots - 3  # W, up front
+    generation.check_integrity()
     generation.kv_pool.data[reservation.block_ids] = context.kv_pool.data[result.block_ids]  # the "pull"
     context.release_prefill("r")
     with pytest.raises(ValueError, match="recurrent_state"):
@@ -141,3 +144,15 @@ def test_context_and_generation_engines_equal_the_aggregated_one(prompt_len: int
     assert_same(outputs["r"], aggregated)
     # A block-aligned prompt leaves its last block with the shipped state as its snapshot.
     assert generation.kv_cache.tree.num_snapshots() == (1 if prompt_len % 16 == 0 else 0)
+
+
+def test_a_cancelled_reservation_returns_its_state_slots() -> None:
+    engine = make_engine(tokens_per_block=16)
+    assert engine.state_pool is not None
+    engine.reserve_prompt("r", prompt_of(20, 1), params=SamplingParams(beam_width=4, max_new_tokens=4))
+    assert engine.state_pool.num_free_slots() == engine.state_pool.num_slots - 4
+    engine.check_integrity()
+    engine.cancel_reservation("r")
+    assert engine.state_pool.num_free_slots() == engine.state_pool.num_slots
+    assert engine.num_blocks_in_use() == 0
+    engine.check_integrity()
