@@ -58,6 +58,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
         page_bytes = KVPool.page_bytes_for(self.model_config, config.cache.tokens_per_block, model.dtype)
+        # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
+        page_bytes += StatePool.state_bytes_for(self.model_config, model.dtype)
         cache_config = config.cache.fitted_to(page_bytes)
         if cache_config.num_blocks != config.cache.num_blocks:
             logger.info(

@@ -29,6 +29,14 @@ class OutOfStateSlotsError(OutOfBlocksError):
 
 
 class StatePool:
+    @staticmethod
+    def state_bytes_for(model_config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one state (a slot, or a block's snapshot) before any pool exists; 0 without
+        recurrent layers."""
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        num_layers = len(model_config.conv_layer_indices)
+        return num_layers * model_config.state_width * model_config.hidden_size * element_bytes
+
     def __init__(
         self,
         model_config: ModelConfig,

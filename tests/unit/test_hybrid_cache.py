@@ -166,3 +166,8 @@ def test_admission_counts_beam_width_state_slots() -> None:
     scheduler.remove(requests[0])
     assert scheduler.schedule().prefills == [requests[1]]
     pool.check_integrity(scheduler.live_slot_ids())
+
+
+def test_state_bytes_for_counts_conv_layers_only() -> None:
+    config = tiny_hybrid_model_config()  # 2 convolution layers, K = 3, E = 64
+    assert StatePool.state_bytes_for(config, torch.float64) == 2 * 2 * 64 * 8 == make_pool(1).state_bytes

@@ -74,16 +74,30 @@ def test_request_stats_report_the_pages_and_the_snapshot_apart() -> None:
     outputs |= run(engine, {"second": (second, greedy)})
     outputs |= run(engine, {"third": (third, greedy)})
     outputs |= run(engine, {"fourth": (fourth, greedy)})
+    # Sharing all 49 tokens of the published partial block: its snapshot (49) fits exactly, the
+    # block is copied before it is written and the prompt resumes at 49.
+    fifth = first + prompt_of(11, 301)
+    outputs |= run(engine, {"fifth": (fifth, greedy)})
     stats = outputs["second"].stats
     print("second request stats:", {key: value for key, value in stats.items() if not key.endswith("_s")})
     assert (stats["num_tokens_before_hybrid_pruning"], stats["reused_tokens"]) == (48, 32)
     stats = outputs["fourth"].stats
     assert (stats["num_tokens_before_hybrid_pruning"], stats["reused_tokens"]) == (64, 64)
+    stats = outputs["fifth"].stats
+    assert (stats["num_tokens_before_hybrid_pruning"], stats["reused_tokens"], stats["copied_blocks"]) == (
+        49,
+        49,
+        1,
+    )
     assert engine.counters().hybrid_pruned_tokens == 16
 
-    fresh = run(make_engine(partial=True), {"second": (second, greedy), "fourth": (fourth, greedy)})
-    assert_same(outputs["second"], fresh["second"])
-    assert_same(outputs["fourth"], fresh["fourth"])
+    fresh = run(
+        make_engine(partial=True),
+        {"second": (second, greedy), "fourth": (fourth, greedy), "fifth": (fifth, greedy)},
+    )
+    for request_id in ("second", "fourth", "fifth"):
+        assert fresh[request_id].stats["reused_tokens"] == 0
+        assert_same(outputs[request_id], fresh[request_id])
 
 
 def test_llama_reports_the_reused_length_as_the_diagnostic() -> None:
