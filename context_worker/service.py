@@ -42,6 +42,8 @@ class HeldPrompt:
     candidate_logprobs: list[float]
     reused_tokens: int
     lease_deadline_unix_ms: int
+    recurrent_state: bytes  # hybrid models: the state after the prompt; empty otherwise
+    num_tokens_before_hybrid_pruning: int
     prefill_ms: float
 
 
@@ -135,6 +137,8 @@ class ContextService:
             candidate_ids=list(result.candidate_ids),
             candidate_logprobs=list(result.candidate_logprobs),
             reused_tokens=result.reused_tokens,
+            recurrent_state=result.recurrent_state,
+            num_tokens_before_hybrid_pruning=result.num_tokens_before_hybrid_pruning,
             lease_deadline_unix_ms=_monotonic_to_unix_ms(offer.expires_at),
             prefill_ms=prefill_s * 1000.0,
         )

@@ -81,6 +81,8 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
             secret=held.secret,
             lease_deadline_unix_ms=held.lease_deadline_unix_ms,
             reused_tokens=held.reused_tokens,
+            recurrent_state=held.recurrent_state,
+            num_tokens_before_hybrid_pruning=held.num_tokens_before_hybrid_pruning,
         )
         return worker_pb2.PrefillResponse(handoff=handoff, prefill_ms=held.prefill_ms)
 

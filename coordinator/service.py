@@ -165,6 +165,10 @@ class CoordinatorService:
                     if response.HasField("final"):
                         stats = response.final.stats
                         stats.context_reused_tokens = handoff.reused_tokens
+                        # What the context side's pages alone held (hybrid snapshots may cut it).
+                        stats.engine["context_num_tokens_before_hybrid_pruning"] = float(
+                            handoff.num_tokens_before_hybrid_pruning
+                        )
                         stats.context_worker = context_worker.address
                         stats.generation_worker = generation_worker.address
                     yield response

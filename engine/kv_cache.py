@@ -9,6 +9,8 @@ physical pool (`kv_pool.py`) only executes the `CopyOp`s it returns. Rules it ke
   call that allocates, since the copy source may be an unreferenced cached block;
 - every operation that takes blocks is all-or-nothing: `OutOfBlocksError` leaves the cache
   exactly as it was.
+For a hybrid model (`has_recurrent_state`), a prompt's match is pruned to where a recurrent-state
+snapshot exists (engine/snapshot_pruning.py), and `commit` records the snapshots a prefill stored.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from engine.block_allocator import BlockAllocator, OutOfBlocksError
 from engine.config import CacheConfig
 from engine.prefix_tree import ROOT_KEY, PrefixTree, block_key
+from engine.snapshot_pruning import prune_to_snapshot
 
 __all__ = [
     "BlockTable",
@@ -57,6 +60,12 @@ class PromptAllocation:
     num_cached_tokens: int  # leading tokens whose KV is already there: skip them in prefill
     num_cached_blocks: int  # leading full blocks shared from the tree
     copies: list[CopyOp]  # copy-on-write of a partly reused block; apply before prefill
+    # What the attention pages alone supported; equals num_cached_tokens unless a hybrid model's
+    # snapshots cut the match shorter.
+    num_tokens_before_hybrid_pruning: int = 0
+    # Hybrid: the block whose snapshot is the state after num_cached_tokens (None: zeros, at 0).
+    # Load it before the next call that allocates, like the copies.
+    snapshot_block_id: int | None = None
 
 
 @dataclass
@@ -67,6 +76,7 @@ class KVCacheStats:
     copied_blocks: int = 0  # CopyOps issued (copy-on-write and beam forks)
     beam_copied_blocks: int = 0  # of those, partial tail blocks copied for a forked beam
     peak_blocks_in_use: int = 0  # most blocks referenced at once since construction
+    hybrid_pruned_tokens: int = 0  # tokens the pages held but no snapshot did (hybrid models)
 
 
 def num_distinct_blocks(tables: Iterable[BlockTable]) -> int:
@@ -75,8 +85,9 @@ def num_distinct_blocks(tables: Iterable[BlockTable]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, has_recurrent_state: bool = False) -> None:
         self.config = config
+        self.has_recurrent_state = has_recurrent_state
         self.tokens_per_block = config.tokens_per_block
         self.tree = PrefixTree(config.tokens_per_block)
         self.allocator = BlockAllocator(config.num_blocks, on_evict=self.tree.evict)
@@ -104,7 +115,11 @@ class KVCacheManager:
 
     # -- prompt ------------------------------------------------------------------------------
     def allocate_prompt(
-        self, token_ids: list[int], salt: bytes = b"", allow_partial_reuse: bool | None = None
+        self,
+        token_ids: list[int],
+        salt: bytes = b"",
+        allow_partial_reuse: bool | None = None,
+        prune_to_snapshots: bool | None = None,
     ) -> PromptAllocation:
         """Blocks for a prompt, reusing what the tree holds. All-or-nothing.
 
@@ -115,12 +130,21 @@ class KVCacheManager:
             table      [ shared full blocks ][ copy | fresh ...          ]
                        num_cached_blocks = k  m tokens reused from a partly shared block
                        num_cached_tokens = k*T + m
+
+        prune_to_snapshots (default: has_recurrent_state) cuts the match to a snapshot; a side
+        that receives the prompt's final state instead (a generation worker) turns it off.
         """
         if not token_ids:
             raise ValueError("token_ids must not be empty")
         if allow_partial_reuse is None:
             allow_partial_reuse = self.config.enable_partial_reuse
+        if prune_to_snapshots is None:
+            prune_to_snapshots = self.has_recurrent_state
         match = self.tree.match(token_ids[:-1], salt, allow_partial_reuse)
+        num_before_pruning, snapshot_block_id = match.num_matched_tokens, None
+        if prune_to_snapshots:
+            pruned = prune_to_snapshot(match, self.tree)
+            match, snapshot_block_id = pruned.match, pruned.snapshot_block_id
         num_blocks = -(-len(token_ids) // self.tokens_per_block)
         num_fresh = num_blocks - len(match.block_ids)
         # The copy source is held for the duration of the call so no eviction below takes it.
@@ -141,27 +165,68 @@ class KVCacheManager:
         table = BlockTable(match.block_ids + fresh_ids, len(token_ids))
         self.stats.prompt_tokens += len(token_ids)
         self.stats.reused_tokens += match.num_matched_tokens
+        self.stats.hybrid_pruned_tokens += num_before_pruning - match.num_matched_tokens
         self.stats.new_blocks += num_fresh
         self.stats.copied_blocks += len(copies)
         self._track_peak()
-        return PromptAllocation(table, match.num_matched_tokens, len(match.block_ids), copies)
+        return PromptAllocation(
+            table,
+            match.num_matched_tokens,
+            len(match.block_ids),
+            copies,
+            num_before_pruning,
+            snapshot_block_id,
+        )
 
-    def commit(self, table: BlockTable, token_ids: list[int], salt: bytes = b"") -> None:
+    def prompt_snapshots(
+        self, table: BlockTable, num_cached_tokens: int, prompt_len: int
+    ) -> list[tuple[int, int]]:
+        """(num_tokens, block_id): the snapshots a prefill of tokens [num_cached_tokens,
+        prompt_len) stores, at each block end it computes and, when the last block will be
+        published (partial commit), at the prompt's end. Each goes to the block it ends."""
+        size = self.tokens_per_block
+        ends = list(range((num_cached_tokens // size + 1) * size, prompt_len + 1, size))
+        if self.config.enable_partial_commit and prompt_len % size:
+            ends.append(prompt_len)
+        return [(end, table.block_ids[(end - 1) // size]) for end in ends]
+
+    def commit(
+        self, table: BlockTable, token_ids: list[int], salt: bytes = b"", snapshot_lens: Iterable[int] = ()
+    ) -> list[CopyOp]:
         """Publish the blocks holding token_ids (their KV must be written already).
 
         Full blocks always; the non-full last block only with enable_partial_commit. A key
         already published by another block is left to it (this block stays private).
+        snapshot_lens: prompt positions whose snapshot this table's block (the one ending there)
+        holds; each is recorded on the published block. When another block owns the key and
+        has no snapshot, the returned copies (src: this table's block) give it this one's.
         """
         if len(token_ids) > table.num_tokens:
             raise ValueError(f"{len(token_ids)} tokens to commit but the table holds {table.num_tokens}")
         size = self.tokens_per_block
         num_full = len(token_ids) // size
         parent_key = ROOT_KEY
+        published: dict[int, bytes] = {}  # end of block -> its key
         for index in range(num_full):
             block_tokens = token_ids[index * size : (index + 1) * size]
             parent_key = self._publish(parent_key, block_tokens, salt, table.block_ids[index])
+            published[index * size + size] = parent_key
         if self.config.enable_partial_commit and len(token_ids) % size:
-            self._publish(parent_key, token_ids[num_full * size :], salt, table.block_ids[num_full])
+            tail_key = self._publish(
+                parent_key, token_ids[num_full * size :], salt, table.block_ids[num_full]
+            )
+            published[len(token_ids)] = tail_key
+        snapshot_copies: list[CopyOp] = []
+        for num_tokens in snapshot_lens:
+            key = published.get(num_tokens)
+            node = None if key is None else self.tree.node(key)
+            if node is None or self.tree.snapshot_len(node.block_id) is not None:
+                continue  # not published, or its owner already holds the same state
+            own_block_id = table.block_ids[(num_tokens - 1) // size]
+            if node.block_id != own_block_id:
+                snapshot_copies.append(CopyOp(own_block_id, node.block_id))
+            self.tree.record_snapshot(node.block_id, num_tokens)
+        return snapshot_copies
 
     def _publish(self, parent_key: bytes, token_ids: list[int], salt: bytes, block_id: int) -> bytes:
         key = block_key(parent_key, token_ids, salt)
@@ -270,6 +335,8 @@ class KVCacheManager:
         caller holds), reference counts equal exactly the tables' uses of each block."""
         self.allocator.check_integrity()
         self.tree.check_integrity()
+        if not self.has_recurrent_state:
+            assert self.tree.num_snapshots() == 0, "snapshots in the tree of a model without recurrent layers"
         assert self.allocator.num_published_blocks() == len(self.tree), "allocator and tree disagree"
         if live_tables is None:
             return

@@ -1,6 +1,6 @@
 """The physical KV cache: one tensor, one block per page.
 
-Dimensions: N blocks (pages), L layers, 2 (key, value), T tokens per block, H kv heads, D head dim.
+Dimensions: N blocks (pages), L layers with K/V (a hybrid's attention layers only), 2 (key, value), T tokens per block, H kv heads, D head dim.
 
     data [N, L, 2, T, H, D], contiguous
 
@@ -31,7 +31,7 @@ class KVPool:
         """Bytes of one page (one block of every layer's keys and values) before any pool exists."""
         element_bytes = torch.empty((), dtype=dtype).element_size()
         return (
-            model_config.num_hidden_layers * 2 * tokens_per_block * model_config.num_key_value_heads
+            model_config.num_kv_layers * 2 * tokens_per_block * model_config.num_key_value_heads
             * model_config.head_dim * element_bytes
         )  # fmt: skip
 
@@ -50,7 +50,7 @@ class KVPool:
         self.data = torch.zeros(
             (
                 cache_config.num_blocks,
-                model_config.num_hidden_layers,
+                model_config.num_kv_layers,
                 2,
                 cache_config.tokens_per_block,
                 model_config.num_key_value_heads,

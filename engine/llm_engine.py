@@ -8,6 +8,8 @@ Three ways in, one decoding loop (`step`):
   tree holds), the caller pulls the missing pages into them, `add_prefilled_request` starts
   decoding from the shipped candidates.
 Both decoding paths start from the same candidates, so their beams are identical.
+A hybrid model (LFM2) also carries a recurrent state per beam (engine/state_pool.py): the context
+side returns the prompt's final state with the candidates, the generation side installs it.
 
 Not thread-safe: one thread owns the engine. See docs/engine.md for the request lifecycle.
 """
@@ -22,16 +24,25 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.config import EngineConfig, SamplingParams, check_engine_params
-from engine.kv_cache import BlockTable, KVCacheManager, OutOfBlocksError
+from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.request import Request, RequestState, make_decoder
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import Scheduler
+from engine.state_pool import StatePool
 from engine.types import EngineCounters, KVRegion, PrefillResult, PromptReservation, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _PromptSlots:
+    """A context-side prompt in the shape `_prompt_input` reads (a Request has the same fields)."""
+
+    prompt_ids: list[int]
+    state_slot_ids: list[int]
 
 
 @dataclass
@@ -40,12 +51,15 @@ class _Reservation:
     prompt_ids: list[int]
     salt: bytes
     new_blocks: int
+    state_slot_ids: list[int]  # hybrid, with params: the request's W slots, taken up front
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
         page_bytes = KVPool.page_bytes_for(self.model_config, config.cache.tokens_per_block, model.dtype)
+        # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
+        page_bytes += StatePool.state_bytes_for(self.model_config, model.dtype)
         cache_config = config.cache.fitted_to(page_bytes)
         if cache_config.num_blocks != config.cache.num_blocks:
             logger.info(
@@ -55,9 +69,22 @@ class LLMEngine:
         self.config = replace(config, cache=cache_config)  # the pool size found at run time
         self.cache_config = cache_config
         self.kv_pool = KVPool(self.model_config, cache_config, model.dtype, config.device)
-        self.kv_cache = KVCacheManager(cache_config)
-        self.runner = ModelRunner(model, self.kv_pool)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks)
+        self.kv_cache = KVCacheManager(cache_config, has_recurrent_state=self.model_config.is_hybrid)
+        self.state_pool: StatePool | None = None
+        if self.model_config.is_hybrid:
+            # One slot per running beam (max_num_seqs of them) plus as many for prompts being
+            # prefilled on the context side.
+            self.state_pool = StatePool(
+                self.model_config,
+                2 * config.max_num_seqs,
+                cache_config.num_blocks,
+                model.dtype,
+                config.device,
+            )
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks, self.state_pool
+        )
         self._requests: dict[str, Request] = {}
         self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
         self._reservations: dict[str, _Reservation] = {}  # generation side: awaiting their pull
@@ -79,26 +106,25 @@ class LLMEngine:
         batch = self.scheduler.schedule(blocks_held_elsewhere=bool(self._prefilled or self._reservations))
         outputs.extend(self._finish(request) for request in batch.failed)
         seqs = [
-            SequenceInput(
-                request.tables[0].block_ids,
-                request.num_cached_tokens,
-                request.prompt_ids[request.num_cached_tokens :],
-            )
+            self._prompt_input(request.tables[0], request, request.num_cached_tokens)
             for request in batch.prefills
         ]
         for request in batch.decodes:
             assert request.pending is not None
             # Beam i feeds its pending token at the slot just grown: position num_tokens - 1.
+            slot_ids: list[int | None] = list(request.state_slot_ids) or [None] * len(request.tables)
             seqs.extend(
-                SequenceInput(table.block_ids, table.num_tokens - 1, [token_id])
-                for table, token_id in zip(request.tables, request.pending.token_ids, strict=True)
+                SequenceInput(table.block_ids, table.num_tokens - 1, [token_id], slot_id)
+                for table, token_id, slot_id in zip(
+                    request.tables, request.pending.token_ids, slot_ids, strict=True
+                )
             )
         if not seqs:
             return outputs
         logprobs = self.runner.compute_logprobs(seqs)  # [B, V] float32
         row = 0
-        for request in batch.prefills:
-            self.kv_cache.commit(request.tables[0], request.prompt_ids, request.salt)
+        for request, seq in zip(batch.prefills, seqs, strict=False):
+            self._commit(request.tables[0], request.prompt_ids, request.salt, seq)
             self._start_decoding(request, logprobs[row])
             row += 1
         for request in batch.decodes:
@@ -141,22 +167,34 @@ class LLMEngine:
         self._check_prompt(prompt_ids, 0)
         if request_id in self._prefilled:
             raise ValueError(f"request_id {request_id!r} is already prefilled")
-        allocation = self.kv_cache.allocate_prompt(prompt_ids, salt)
+        # A slot for the prompt's state during the pass; its final value leaves in the result.
+        slot_ids = self.state_pool.allocate_slots(1) if self.state_pool is not None else []
+        try:
+            allocation = self.kv_cache.allocate_prompt(prompt_ids, salt)
+        except OutOfBlocksError:
+            self._free_slots(slot_ids)
+            raise
         self.kv_pool.copy_blocks(allocation.copies)
         table, num_cached = allocation.table, allocation.num_cached_tokens
         try:
-            logprobs = self.runner.compute_logprobs(
-                [SequenceInput(table.block_ids, num_cached, prompt_ids[num_cached:])]
-            )
+            if self.state_pool is not None:
+                self.state_pool.reset(slot_ids[0], allocation.snapshot_block_id)
+            seq = self._prompt_input(table, _PromptSlots(prompt_ids, slot_ids), num_cached)
+            logprobs = self.runner.compute_logprobs([seq])
+            self._commit(table, prompt_ids, salt, seq)
+            state = self.state_pool.read(slot_ids[0]) if self.state_pool is not None else b""
         except BaseException:
             self.kv_cache.free(table)
             raise
-        self.kv_cache.commit(table, prompt_ids, salt)
+        finally:
+            self._free_slots(slot_ids)
         self._prefilled[request_id] = table
         candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs[0], num_candidates)
         return PrefillResult(
-            request_id, list(table.block_ids), len(prompt_ids), candidate_ids, candidate_logprobs, num_cached
-        )
+            request_id, list(table.block_ids), len(prompt_ids), candidate_ids, candidate_logprobs, num_cached,
+            recurrent_state=state,
+            num_tokens_before_hybrid_pruning=allocation.num_tokens_before_hybrid_pruning,
+        )  # fmt: skip
 
     def release_prefill(self, request_id: str) -> None:
         """Unpin a prefilled prompt (unknown or already released ids are ignored)."""
@@ -169,13 +207,17 @@ class LLMEngine:
         self, request_id: str, prompt_ids: list[int], salt: bytes = b"", params: SamplingParams | None = None
     ) -> PromptReservation:
         """Blocks for a prompt whose KV will be pulled. With `params`, the request's whole block
-        bound must fit next to the running requests' (else OutOfBlocksError, nothing held)."""
+        bound must fit next to the running requests' and, for a hybrid model, its W state slots
+        are taken now (else OutOfBlocksError, nothing held)."""
         self._check_prompt(prompt_ids, 0 if params is None else params.max_new_tokens)
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Pulled pages overwrite whole blocks: copying a partly matched block would be wasted.
         new_blocks_before = self.kv_cache.stats.new_blocks
-        allocation = self.kv_cache.allocate_prompt(prompt_ids, salt, allow_partial_reuse=False)
+        # The prompt's final recurrent state comes with the pages: only the pages limit reuse here.
+        allocation = self.kv_cache.allocate_prompt(
+            prompt_ids, salt, allow_partial_reuse=False, prune_to_snapshots=False
+        )
         self.kv_pool.copy_blocks(allocation.copies)
         new_blocks = self.kv_cache.stats.new_blocks - new_blocks_before
         table = allocation.table
@@ -187,13 +229,21 @@ class LLMEngine:
             if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
                 self.kv_cache.free(table)
                 raise OutOfBlocksError(f"request {request_id!r} needs up to {bound} blocks; the pool is full")
-        self._reservations[request_id] = _Reservation(table, list(prompt_ids), salt, new_blocks)
+        slot_ids: list[int] = []
+        if params is not None and self.state_pool is not None:
+            try:
+                slot_ids = self.state_pool.allocate_slots(params.beam_width)
+            except OutOfBlocksError:
+                self.kv_cache.free(table)
+                raise
+        self._reservations[request_id] = _Reservation(table, list(prompt_ids), salt, new_blocks, slot_ids)
         return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
 
     def cancel_reservation(self, request_id: str) -> None:
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:
             self.kv_cache.free(reservation.table)
+            self._free_slots(reservation.state_slot_ids)
 
     def add_prefilled_request(
         self,
@@ -202,8 +252,13 @@ class LLMEngine:
         params: SamplingParams,
         candidate_ids: list[int],
         candidate_logprobs: list[float],
+        recurrent_state: bytes = b"",
     ) -> None:
-        """The reservation's blocks now hold the prompt's KV: expand to the beams and join the batch."""
+        """The reservation's blocks now hold the prompt's KV: expand to the beams and join the batch.
+
+        A hybrid model also needs `recurrent_state`, the state after the whole prompt
+        (PrefillResult.recurrent_state); it is installed in beam 0's slot before the beams expand.
+        """
         request_id = reservation.request_id
         held = self._reservations.get(request_id)
         if held is None:
@@ -215,12 +270,34 @@ class LLMEngine:
         # The decoder checks the candidates before anything else changes: a refusal leaves the
         # reservation as it was.
         first_step = request.decoder.start(list(candidate_ids), list(candidate_logprobs))
+        if self.state_pool is not None:
+            if len(recurrent_state) != self.state_pool.state_bytes:
+                raise ValueError(
+                    f"recurrent_state must hold {self.state_pool.state_bytes} bytes, got {len(recurrent_state)}"
+                )
+            if len(held.state_slot_ids) != request.num_beams:
+                # Reserved without params (or for another width); a refusal leaves it unchanged.
+                fresh_slot_ids = self.state_pool.allocate_slots(request.num_beams)
+                self._free_slots(held.state_slot_ids)
+                held.state_slot_ids = fresh_slot_ids
+            request.state_slot_ids = held.state_slot_ids
+            self.state_pool.write(request.state_slot_ids[0], recurrent_state)
         del self._reservations[request_id]
         request.tables = [held.table]
         request.reused_tokens = reservation.num_cached_blocks * self.cache_config.tokens_per_block
+        request.num_tokens_before_hybrid_pruning = request.reused_tokens
         request.new_blocks = held.new_blocks
         request.times.admitted = time.monotonic()
-        self.kv_cache.commit(held.table, request.prompt_ids, held.salt)
+        snapshot_lens: list[int] = []
+        if self.state_pool is not None:
+            # The shipped state is the snapshot of the prompt's last block when the prompt ends it.
+            prompt_len = len(request.prompt_ids)
+            for num_tokens, block_id in self.kv_cache.prompt_snapshots(
+                held.table, prompt_len - 1, prompt_len
+            ):
+                self.state_pool.save_snapshot(request.state_slot_ids[0], block_id)
+                snapshot_lens.append(num_tokens)
+        self._copy_snapshots(self.kv_cache.commit(held.table, request.prompt_ids, held.salt, snapshot_lens))
         self._requests[request_id] = request
         self.scheduler.add_running(request)
         request.record_step(first_step)
@@ -246,6 +323,7 @@ class LLMEngine:
             reused_tokens=stats.reused_tokens,
             beam_tail_copies=stats.beam_copied_blocks,
             partial_reuse_copies=stats.copied_blocks - stats.beam_copied_blocks,
+            hybrid_pruned_tokens=stats.hybrid_pruned_tokens,
         )
 
     def check_integrity(self) -> None:
@@ -254,6 +332,36 @@ class LLMEngine:
         tables.extend(self._prefilled.values())
         tables.extend(reservation.table for reservation in self._reservations.values())
         self.kv_cache.check_integrity(tables)
+        if self.state_pool is not None:
+            slot_ids = list(self.scheduler.live_slot_ids())
+            slot_ids.extend(
+                slot for reservation in self._reservations.values() for slot in reservation.state_slot_ids
+            )
+            self.state_pool.check_integrity(slot_ids)
+
+    # -- recurrent state ---------------------------------------------------------------------
+    def _prompt_input(
+        self, table: BlockTable, request: Request | _PromptSlots, num_cached: int
+    ) -> SequenceInput:
+        """The prompt's uncached tokens; a hybrid model stores snapshots at the block ends."""
+        new_ids = request.prompt_ids[num_cached:]
+        if self.state_pool is None:
+            return SequenceInput(table.block_ids, num_cached, new_ids)
+        snapshots = self.kv_cache.prompt_snapshots(table, num_cached, len(request.prompt_ids))
+        return SequenceInput(table.block_ids, num_cached, new_ids, request.state_slot_ids[0], snapshots)
+
+    def _commit(self, table: BlockTable, prompt_ids: list[int], salt: bytes, seq: SequenceInput) -> None:
+        snapshot_lens = [num_tokens for num_tokens, _ in seq.snapshots]
+        self._copy_snapshots(self.kv_cache.commit(table, prompt_ids, salt, snapshot_lens))
+
+    def _copy_snapshots(self, copies: list[CopyOp]) -> None:
+        for copy in copies:
+            assert self.state_pool is not None
+            self.state_pool.copy_snapshot(copy.src_block, copy.dst_block)
+
+    def _free_slots(self, slot_ids: list[int]) -> None:
+        if self.state_pool is not None:
+            self.state_pool.free_slots(slot_ids)
 
     # -- internals ---------------------------------------------------------------------------
     def _make_request(

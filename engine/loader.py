@@ -1,9 +1,10 @@
-"""Builds a LlamaModel from what `--model` names (engine/model_source.py).
+"""Builds a LlamaModel or an Lfm2Model from what `--model` names (engine/model_source.py).
 
 A Hugging Face directory holds `config.json`, one or more `*.safetensors` (sharded through
 `model.safetensors.index.json` or not) and optionally `tokenizer.json`. A GGUF file carries config,
-weights, tokenizer and chat template in one (engine/gguf_checkpoint.py). `tiny` needs no files:
-its weights come from a fixed seed on the CPU generator, so every process builds the same bits.
+weights, tokenizer and chat template in one (engine/gguf_checkpoint.py). `tiny` (Llama) and
+`tiny-hybrid` (LFM2) need no files: their weights come from a fixed seed on the CPU generator, so
+every process builds the same bits.
 Loading logs its progress, its time and the process's resident memory through `logging`.
 """
 
@@ -18,14 +19,20 @@ import torch
 from safetensors.torch import load_file
 
 from engine.gguf_checkpoint import GGUFCheckpoint
+from engine.lfm2_model import Lfm2Model
 from engine.model import LlamaModel
-from engine.model_config import ModelConfig
+from engine.model_config import ATTENTION_LAYER, CONV_LAYER, ModelConfig
 from engine.model_source import ModelFormat, resolve_model_source
 from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 TINY_SEED = 1234
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+Model = LlamaModel | Lfm2Model
+
+
+def make_model(config: ModelConfig) -> Model:
+    return Lfm2Model(config) if config.model_type == "lfm2" else LlamaModel(config)
 
 
 def tiny_model_config() -> ModelConfig:
@@ -47,6 +54,30 @@ def tiny_model_config() -> ModelConfig:
     )
 
 
+def tiny_hybrid_model_config() -> ModelConfig:
+    """LFM2's layer pattern in small: convolution layers around two attention layers."""
+    tokenizer = ByteTokenizer()
+    conv, attention = CONV_LAYER, ATTENTION_LAYER
+    return ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        model_type="lfm2",
+        layer_types=(conv, attention, conv, attention),
+        conv_kernel_size=3,
+    )
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -59,12 +90,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(
     name_or_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
-) -> tuple[LlamaModel, ModelConfig, Tokenizer]:
+) -> tuple[Model, ModelConfig, Tokenizer]:
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model_source(name_or_dir)
     started = time.monotonic()
     if source.is_tiny:
-        config = tiny_model_config()
+        config = tiny_model_config() if source.format is ModelFormat.TINY else tiny_hybrid_model_config()
         model = build_tiny_model(config)
         tokenizer: Tokenizer = ByteTokenizer()
     elif source.format is ModelFormat.GGUF:
@@ -115,13 +146,13 @@ def resident_memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def build_tiny_model(config: ModelConfig) -> LlamaModel:
+def build_tiny_model(config: ModelConfig) -> Model:
     """Weights from one seeded CPU generator, drawn in parameter-name order, in float32.
 
     Linear weights have std 1/sqrt(fan_in) and embeddings std 1, so the logits are far from
     uniform and greedy and beam search have clear winners rather than near-ties.
     """
-    model = LlamaModel(config)
+    model = make_model(config)
     generator = torch.Generator(device="cpu").manual_seed(TINY_SEED)
     with torch.no_grad():
         for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
@@ -136,13 +167,13 @@ def build_tiny_model(config: ModelConfig) -> LlamaModel:
     return model
 
 
-def build_model_from_checkpoint(config: ModelConfig, model_dir: Path) -> LlamaModel:
+def build_model_from_checkpoint(config: ModelConfig, model_dir: Path) -> Model:
     return _build_model(config, _read_checkpoint(model_dir), f"checkpoint in {model_dir}")
 
 
-def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], where: str) -> LlamaModel:
+def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], where: str) -> Model:
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = make_model(config)
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         # Tied checkpoints usually omit lm_head; the embedding is the head either way.

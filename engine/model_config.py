@@ -1,4 +1,7 @@
-"""The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
+"""The shape of a Llama-family or LFM2 (hybrid) decoder, read from a Hugging Face `config.json`.
+
+LFM2 mixes attention layers with short-convolution layers (`layer_types`); a convolution layer
+carries a recurrent state, the last `conv_kernel_size - 1` inputs of its convolution.
 
 Only what the engine implements is accepted: anything else fails at load time with a message that
 names the config field, rather than producing a model that silently computes something else.
@@ -13,7 +16,9 @@ from typing import Any
 
 # mistral with no sliding window is the llama architecture under another name; qwen2 is not
 # (biased q/k/v projections), so it is refused.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "lfm2")
+ATTENTION_LAYER = "full_attention"
+CONV_LAYER = "conv"
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -51,6 +56,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     model_type: str = "llama"
+    # Hybrid (lfm2) only: one entry per layer, ATTENTION_LAYER or CONV_LAYER; empty means every
+    # layer is attention. conv_kernel_size is LFM2's conv_L_cache.
+    layer_types: tuple[str, ...] = ()
+    conv_kernel_size: int = 0
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -81,11 +91,48 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), got {value}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+                )
+            unknown = sorted(set(self.layer_types) - {ATTENTION_LAYER, CONV_LAYER})
+            if unknown:
+                raise ValueError(f"layer_types {unknown} are not supported ({ATTENTION_LAYER}, {CONV_LAYER})")
+            if not self.attention_layer_indices:
+                raise ValueError("layer_types needs at least one full_attention layer")
+        if self.conv_layer_indices and self.conv_kernel_size < 2:
+            raise ValueError(f"conv_L_cache must be >= 2, got {self.conv_kernel_size}")
 
     @property
     def num_query_groups(self) -> int:
         """Query heads that share one key/value head (1 for multi-head attention)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def attention_layer_indices(self) -> tuple[int, ...]:
+        if not self.layer_types:
+            return tuple(range(self.num_hidden_layers))
+        return tuple(index for index, kind in enumerate(self.layer_types) if kind == ATTENTION_LAYER)
+
+    @property
+    def conv_layer_indices(self) -> tuple[int, ...]:
+        return tuple(index for index, kind in enumerate(self.layer_types) if kind == CONV_LAYER)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with K/V pages: every layer of a Llama, the attention layers of a hybrid."""
+        return len(self.attention_layer_indices)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layer carries a recurrent state, so prefix reuse also needs a state snapshot."""
+        return bool(self.conv_layer_indices)
+
+    @property
+    def state_width(self) -> int:
+        """Past inputs one convolution layer keeps: its window minus the current token."""
+        return self.conv_kernel_size - 1 if self.is_hybrid else 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -94,6 +141,8 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
             )
+        if model_type == "lfm2":
+            return _lfm2_from_dict(raw)
         if model_type == "mistral" and raw.get("sliding_window") is not None:
             raise ValueError(f"sliding_window={raw['sliding_window']} is not supported (needs null)")
         _refuse_unless(raw, "hidden_act", ("silu",))
@@ -127,6 +176,50 @@ class ModelConfig:
     def from_file(cls, path: str | Path) -> ModelConfig:
         with open(path, encoding="utf-8") as file:
             return cls.from_dict(json.load(file))
+
+
+def _lfm2_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """transformers' Lfm2Config: norm_eps, layer_types (or full_attn_idxs), conv_L_cache,
+    conv_bias, and the feed-forward width adjusted as Lfm2MLP does."""
+    num_layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        attention = raw.get("full_attn_idxs")
+        attention = set(range(num_layers) if attention is None else attention)
+        layer_types = [ATTENTION_LAYER if index in attention else CONV_LAYER for index in range(num_layers)]
+    intermediate_size = int(raw.get("block_ff_dim", raw["intermediate_size"]))
+    if raw.get("block_auto_adjust_ff_dim", True):
+        intermediate_size = int(2 * intermediate_size / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple_of = int(raw.get("block_multiple_of", 256))
+            intermediate_size = int(multiplier * intermediate_size)
+            intermediate_size = multiple_of * ((intermediate_size + multiple_of - 1) // multiple_of)
+    num_attention_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    max_position_embeddings = int(raw.get("max_position_embeddings", 128_000))
+    rope_theta, rope_scaling = _rope({"rope_theta": 1000000.0, **raw}, max_position_embeddings)
+    if rope_scaling is not None:
+        raise ValueError("lfm2 with rope scaling is not supported")
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or num_attention_heads),
+        head_dim=hidden_size // num_attention_heads,
+        rms_norm_eps=float(raw.get("norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=bool(raw.get("tie_embedding", raw.get("tie_word_embeddings", True))),
+        bos_token_id=_first_token_id(raw.get("bos_token_id", 1)),
+        eos_token_id=_first_token_id(raw.get("eos_token_id", 2)),
+        model_type="lfm2",
+        layer_types=tuple(layer_types),
+        conv_kernel_size=int(raw.get("conv_L_cache", 3)),
+        conv_bias=bool(raw.get("conv_bias", False)),
+    )
 
 
 def _refuse_unless(raw: dict[str, Any], name: str, allowed: tuple[object, ...]) -> None:

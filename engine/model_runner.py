@@ -1,7 +1,8 @@
 """Runs one forward pass over a batch of sequences and returns next-token log-probs.
 
-`prepare_batch` packs the Python-side batch (block ids, cached length, new tokens) into tensors
-once; the rest is tensor code. Any mix of prompt chunks and single decode tokens.
+`prepare_batch` packs the Python-side batch (block ids, cached length, new tokens, and for a
+hybrid model state slots and snapshot requests) into tensors once; the rest is tensor code.
+Any mix of prompt chunks and single decode tokens.
 
 Log-probs are `log_softmax` of the logits cast to float32, as transformers' `generate` computes
 them whatever the model's dtype: beam search arithmetic is then identical to the reference.
@@ -12,13 +13,16 @@ Dimensions: B sequences, N new tokens in the batch, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionMetadata, prepare_attention
 from engine.kv_pool import KVPool
-from engine.model import LlamaModel
+from engine.lfm2_model import Lfm2Model
+from engine.loader import Model
+from engine.short_conv import RecurrentMetadata, prepare_recurrent
+from engine.state_pool import StatePool
 
 
 @dataclass(frozen=True)
@@ -26,18 +30,26 @@ class SequenceInput:
     block_ids: Sequence[int]  # the sequence's table, covering num_cached_tokens + len(token_ids)
     num_cached_tokens: int  # tokens already in the pool (positions 0 .. num_cached_tokens - 1)
     token_ids: Sequence[int]  # new tokens at positions num_cached_tokens ...
+    # Hybrid models only: the slot holding the state after num_cached_tokens tokens (advanced in
+    # place), and (num_tokens, block_id) snapshots to store on the way.
+    state_slot_id: int | None = None
+    snapshots: Sequence[tuple[int, int]] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)
 class PreparedBatch:
     input_ids: torch.Tensor  # [N]
     metadata: AttentionMetadata
+    recurrent: RecurrentMetadata | None
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_pool: KVPool) -> None:
+    def __init__(self, model: Model, kv_pool: KVPool, state_pool: StatePool | None = None) -> None:
+        if isinstance(model, Lfm2Model) != (state_pool is not None):
+            raise ValueError("a state pool goes with a hybrid model, and only with one")
         self.model = model
         self.kv_pool = kv_pool
+        self.state_pool = state_pool
         self.device = kv_pool.device
 
     def prepare_batch(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
@@ -45,10 +57,29 @@ class ModelRunner:
         metadata = prepare_attention(specs, self.kv_pool.tokens_per_block, self.device)
         token_ids = [token_id for seq in seqs for token_id in seq.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]
-        return PreparedBatch(input_ids, metadata)
+        recurrent = None
+        if self.state_pool is not None:
+            slot_ids = [seq.state_slot_id for seq in seqs]
+            if any(slot_id is None for slot_id in slot_ids):
+                raise ValueError("every sequence of a hybrid model needs a state slot")
+            recurrent = prepare_recurrent(
+                [slot_id for slot_id in slot_ids if slot_id is not None],
+                [seq.snapshots for seq in seqs],
+                [seq.num_cached_tokens for seq in seqs],
+                metadata,
+                self.model.config.conv_kernel_size,
+            )
+        return PreparedBatch(input_ids, metadata, recurrent)
 
     def compute_logprobs(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
-        """Writes the new tokens' K/V into the pool; returns [B, V] float32 log-probs on the CPU."""
+        """Writes the new tokens' K/V (and states) into the pools; returns [B, V] float32 log-probs
+        on the CPU."""
         batch = self.prepare_batch(seqs)
-        logits = self.model(batch.input_ids, batch.metadata.positions, self.kv_pool, batch.metadata)  # [B, V]
+        positions = batch.metadata.positions
+        if isinstance(self.model, Lfm2Model):
+            logits = self.model(
+                batch.input_ids, positions, self.kv_pool, batch.metadata, self.state_pool, batch.recurrent
+            )  # [B, V]
+        else:
+            logits = self.model(batch.input_ids, positions, self.kv_pool, batch.metadata)  # [B, V]
         return torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()

@@ -1,4 +1,4 @@
-"""What `--model` names: the embedded `tiny`, a packaged model by name, a GGUF file, or a Hugging
+"""What `--model` names: the embedded `tiny` or `tiny-hybrid`, a packaged model by name, a GGUF file, or a Hugging
 Face directory. Resolving touches only the file system (no weights are read), so the coordinator,
 which needs the tokenizer alone, and `--help` stay cheap.
 
@@ -15,10 +15,12 @@ from enum import Enum
 from pathlib import Path
 
 TINY_MODEL_NAME = "tiny"
+TINY_HYBRID_MODEL_NAME = "tiny-hybrid"
 
 
 class ModelFormat(Enum):
     TINY = "tiny"
+    TINY_HYBRID = "tiny-hybrid"
     HF_DIRECTORY = "hf_directory"
     GGUF = "gguf"
 
@@ -46,7 +48,7 @@ class ModelSource:
 
     @property
     def is_tiny(self) -> bool:
-        return self.format is ModelFormat.TINY
+        return self.format in (ModelFormat.TINY, ModelFormat.TINY_HYBRID)
 
 
 def resolve_model_source(name_or_path: str | Path) -> ModelSource:
@@ -54,6 +56,8 @@ def resolve_model_source(name_or_path: str | Path) -> ModelSource:
     text = str(name_or_path)
     if text == TINY_MODEL_NAME:
         return ModelSource(ModelFormat.TINY, None)
+    if text == TINY_HYBRID_MODEL_NAME:
+        return ModelSource(ModelFormat.TINY_HYBRID, None)
     if text in PACKAGED_MODELS:
         return ModelSource(ModelFormat.GGUF, packaged_model_path(text))
     path = Path(text)
@@ -62,7 +66,7 @@ def resolve_model_source(name_or_path: str | Path) -> ModelSource:
             raise FileNotFoundError(f"model {text!r}: a file must be a .gguf checkpoint")
         return ModelSource(ModelFormat.GGUF, path)
     if not path.is_dir():
-        known = ", ".join([TINY_MODEL_NAME, *PACKAGED_MODELS])
+        known = ", ".join([TINY_MODEL_NAME, TINY_HYBRID_MODEL_NAME, *PACKAGED_MODELS])
         raise FileNotFoundError(
             f"model {text!r}: no such file or directory (takes {known}, a .gguf file, or a Hugging "
             "Face directory with config.json)"

@@ -23,7 +23,12 @@ prompt[:-1]):
     reuse on,  commit off: only a0 is in the tree, nothing to take in part          -> 32
 
 Without partial reuse a non-full node is still matched when the lookup's tail equals it exactly.
-Eviction is the allocator's choice (LRU); the tree only forgets a block's key (`evict`).
+Hybrid models: a published block may also hold a snapshot of the recurrent state right after its
+last token (`record_snapshot`), recorded with exactly the number of tokens it covers, so a lookup
+can tell whether it may resume there (KVCacheManager prunes a match to such a point).
+
+Eviction is the allocator's choice (LRU); the tree only forgets a block's key (`evict`), and with
+it the block's snapshot.
 A node whose parent was evicted stays findable by key: its key still names the same prefix,
 so it becomes reachable again once the parent is re-published.
 """
@@ -71,6 +76,8 @@ class PrefixTree:
         # Children by (parent key, first token): partial reuse needs a common first token, so a
         # lookup scans only the few children that can share anything.
         self._child_keys: dict[tuple[bytes, int], set[bytes]] = {}
+        # block id -> tokens its recurrent-state snapshot covers (the prefix up to the block's end)
+        self._snapshot_lens: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -143,8 +150,28 @@ class PrefixTree:
         self._child_keys.setdefault((parent_key, token_ids[0]), set()).add(key)
         return key
 
+    def record_snapshot(self, block_id: int, num_tokens: int) -> None:
+        """The published `block_id` now holds the state after the first `num_tokens` tokens."""
+        key = self._key_of_block.get(block_id)
+        if key is None:
+            raise ValueError(f"block {block_id} is not published; it cannot hold a snapshot")
+        num_block_tokens = len(self._nodes[key].token_ids)
+        if num_tokens < num_block_tokens or (num_tokens - num_block_tokens) % self.tokens_per_block:
+            raise ValueError(
+                f"block {block_id} of {num_block_tokens} tokens cannot end at token {num_tokens}"
+            )
+        self._snapshot_lens[block_id] = num_tokens
+
+    def snapshot_len(self, block_id: int) -> int | None:
+        """Tokens covered by the snapshot `block_id` holds, or None when it holds none."""
+        return self._snapshot_lens.get(block_id)
+
+    def num_snapshots(self) -> int:
+        return len(self._snapshot_lens)
+
     def evict(self, block_id: int) -> None:
-        """Forget the key of `block_id` (no-op when it has none)."""
+        """Forget the key of `block_id` and its snapshot (no-op when it has none)."""
+        self._snapshot_lens.pop(block_id, None)
         key = self._key_of_block.pop(block_id, None)
         if key is None:
             return
@@ -168,6 +195,14 @@ class PrefixTree:
             assert child_keys, "empty child set kept"
             num_children += len(child_keys)
         assert num_children == len(self._nodes), "child index lists unknown keys"
+        for block_id, num_tokens in self._snapshot_lens.items():
+            snapshot_key = self._key_of_block.get(block_id)
+            assert snapshot_key is not None, f"snapshot on unpublished block {block_id}"
+            num_block_tokens = len(self._nodes[snapshot_key].token_ids)
+            assert num_tokens >= num_block_tokens, f"snapshot of block {block_id} covers too few tokens"
+            assert (num_tokens - num_block_tokens) % self.tokens_per_block == 0, (
+                f"snapshot of block {block_id} at {num_tokens} is not at the block's end"
+            )
 
 
 def _common_prefix_len(left: tuple[int, ...], right: list[int]) -> int:

@@ -80,6 +80,11 @@ class Request:
     formula_blocks: int = 0
     peak_blocks: int = 0
     reused_tokens: int = 0
+    # What the attention pages alone supported (> reused_tokens when a hybrid model's snapshots
+    # cut the match); equals reused_tokens for a model without recurrent layers.
+    num_tokens_before_hybrid_pruning: int = 0
+    # Hybrid models: one recurrent-state slot per beam, slot i for running beam i.
+    state_slot_ids: list[int] = field(default_factory=list)
     new_blocks: int = 0
     copied_blocks: int = 0
     num_steps: int = 0
@@ -141,6 +146,7 @@ class Request:
         stats: dict[str, float | int] = {
             "prompt_tokens": self.prompt_len,
             "reused_tokens": self.reused_tokens,
+            "num_tokens_before_hybrid_pruning": self.num_tokens_before_hybrid_pruning,
             "new_blocks": self.new_blocks,
             "copied_blocks": self.copied_blocks,
             "peak_blocks": self.peak_blocks,

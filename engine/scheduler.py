@@ -5,7 +5,8 @@ Plain Python over the KVCacheManager; the model never appears here. Each `schedu
    all or nothing per call, so a request short of blocks waits and resumes where it stopped;
 2. admits waiting requests first come first served while the batch has room for their beams
    (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
-   running requests may still take: floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks.
+   running requests may still take: floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks,
+   and, for a hybrid model, W free recurrent-state slots.
 
 A request's beams never depend on its neighbours: the batch only decides when a request
 advances, never what it computes.
@@ -22,6 +23,7 @@ from typing import TypeVar
 
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.request import Request, RequestState
+from engine.state_pool import StatePool
 
 Result = TypeVar("Result")
 
@@ -39,9 +41,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, kv_cache: KVCacheManager, max_num_seqs: int, copy_blocks: Callable[[list[CopyOp]], None]
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        copy_blocks: Callable[[list[CopyOp]], None],
+        state_pool: StatePool | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        # Hybrid models: request.state_slot_ids[i] holds running beam i's recurrent state.
+        self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         # Copies must reach the pool before any later allocation may hand out their source.
         self.copy_blocks = copy_blocks
@@ -69,6 +77,9 @@ class Scheduler:
         for table in request.tables:
             self.kv_cache.free(table)
         request.tables = []
+        if self.state_pool is not None:
+            self.state_pool.free_slots(request.state_slot_ids)
+        request.state_slot_ids = []
         request.state = RequestState.FINISHED
         request.times.finished = time.monotonic()
 
@@ -78,6 +89,10 @@ class Scheduler:
     def live_tables(self) -> Iterable[BlockTable]:
         for request in self.running:
             yield from request.tables
+
+    def live_slot_ids(self) -> Iterable[int]:
+        for request in self.running:
+            yield from request.state_slot_ids
 
     def num_running_beams(self) -> int:
         return sum(request.num_beams for request in self.running)
@@ -110,6 +125,9 @@ class Scheduler:
                     request, lambda: self.kv_cache.reorder_beams(request.tables, step.parent_indices)
                 )
                 self.copy_blocks(copies)
+                if self.state_pool is not None:
+                    # A beam continuing a parent continues from the parent's state.
+                    self.state_pool.fork(request.state_slot_ids, step.parent_indices)
                 request.tables, request.is_reordered = tables, True
             while request.num_grown_tables < len(request.tables):
                 table = request.tables[request.num_grown_tables]
@@ -142,9 +160,14 @@ class Scheduler:
             batch.prefills.append(request)
 
     def _try_allocate_prompt(self, request: Request) -> bool:
+        if self.state_pool is not None and self.state_pool.num_free_slots() < request.num_beams:
+            return False
         reserved = sum(other.remaining_blocks() for other in self.running)
         stats = self.kv_cache.stats
-        before = (stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks)
+        before = (
+            stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks,
+            stats.hybrid_pruned_tokens,
+        )  # fmt: skip
         try:
             allocation = self.kv_cache.allocate_prompt(request.prompt_ids, request.salt)
         except OutOfBlocksError:
@@ -155,9 +178,17 @@ class Scheduler:
             # Not enough room for this request's bound next to the running ones' bounds.
             self.kv_cache.free(allocation.table)
             request.tables = []
-            stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks = before
+            (
+                stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks,
+                stats.hybrid_pruned_tokens,
+            ) = before  # fmt: skip
             return False
         self.copy_blocks(allocation.copies)
+        if self.state_pool is not None:
+            # Loaded now, before any later allocation may evict the snapshot's block.
+            request.state_slot_ids = self.state_pool.allocate_slots(request.num_beams)
+            self.state_pool.reset(request.state_slot_ids[0], allocation.snapshot_block_id)
+        request.num_tokens_before_hybrid_pruning = allocation.num_tokens_before_hybrid_pruning
         request.num_cached_tokens = allocation.num_cached_tokens
         request.reused_tokens = allocation.num_cached_tokens
         request.new_blocks += stats.new_blocks - before[2]
@@ -181,6 +212,8 @@ class Scheduler:
             fed = request.prompt_len + max(request.num_steps - 1, 0)
             assert all(table.num_tokens in (fed, fed + 1) for table in request.tables), request.request_id
             assert request.peak_blocks <= request.formula_blocks, f"{request.request_id} exceeds its bound"
+            if self.state_pool is not None:
+                assert len(request.state_slot_ids) == request.num_beams, f"{request.request_id} state slots"
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _formula(self, request: Request) -> int:

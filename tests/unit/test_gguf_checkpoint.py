@@ -177,7 +177,7 @@ def test_model_sources(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="must be a .gguf checkpoint"):
         resolve_model_source(tmp_path / "weights.bin")
-    with pytest.raises(FileNotFoundError, match="takes tiny, smollm2-135m, a .gguf file"):
+    with pytest.raises(FileNotFoundError, match="takes tiny, tiny-hybrid, smollm2-135m, a .gguf file"):
         resolve_model_source(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_source(tmp_path).format is ModelFormat.HF_DIRECTORY

@@ -80,3 +80,37 @@ def test_mistral_without_sliding_window_is_llama() -> None:
 def test_refusals_name_the_field(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_dict(llama_config(**overrides))
+
+
+LFM2_RAW = {
+    "model_type": "lfm2",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "norm_eps": 1e-5,
+    "conv_L_cache": 3,
+    "block_auto_adjust_ff_dim": True,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_multiple_of": 16,
+}
+
+
+def test_lfm2_layer_types_and_adjusted_feed_forward() -> None:
+    config = ModelConfig.from_dict({**LFM2_RAW, "full_attn_idxs": [1]})
+    assert config.layer_types == ("conv", "full_attention", "conv")
+    assert config.attention_layer_indices == (1,) and config.conv_layer_indices == (0, 2)
+    assert config.num_kv_layers == 1 and config.is_hybrid and config.state_width == 2
+    assert config.intermediate_size == 48  # int(2 * 64 / 3) = 42, up to a multiple of 16
+    assert config.tie_word_embeddings and config.rope_theta == 1000000.0 and config.head_dim == 8
+
+
+def test_lfm2_refusals_name_the_field() -> None:
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_dict({**LFM2_RAW, "layer_types": ["conv", "mamba", "full_attention"]})
+    with pytest.raises(ValueError, match="conv_L_cache"):
+        ModelConfig.from_dict({**LFM2_RAW, "full_attn_idxs": [0], "conv_L_cache": 1})
+    with pytest.raises(ValueError, match="at least one full_attention"):
+        ModelConfig.from_dict({**LFM2_RAW, "full_attn_idxs": []})
