@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         lambda grpc_server: worker_pb2_grpc.add_ContextWorkerServicer_to_server(servicer, grpc_server),
         gate,
+        max_message_mb=args.max_message_mb,
     )
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])

@@ -77,8 +77,18 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
         gate,
+        max_message_mb=args.max_message_mb,
     )
-    front = OpenAIFront(service, tokenizer, model_name, limits.max_model_len, gate, metrics, "coordinator")
+    front = OpenAIFront(
+        service,
+        tokenizer,
+        model_name,
+        limits.max_model_len,
+        gate,
+        metrics,
+        "coordinator",
+        max_body_mb=args.http_max_body_mb,
+    )
     http_server = start_http_front(front, args.host, args.http_port)
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])

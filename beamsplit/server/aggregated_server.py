@@ -45,9 +45,17 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         lambda grpc_server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server),
         gate,
+        max_message_mb=args.max_message_mb,
     )
     front = OpenAIFront(
-        service, handle.engine.tokenizer, args.model, limits.max_model_len, gate, metrics, "aggregated server"
+        service,
+        handle.engine.tokenizer,
+        args.model,
+        limits.max_model_len,
+        gate,
+        metrics,
+        "aggregated server",
+        max_body_mb=args.http_max_body_mb,
     )
     http_server = start_http_front(front, args.host, args.http_port)
     metrics.serve(args.metrics_port, args.host)

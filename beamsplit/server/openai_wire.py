@@ -170,6 +170,8 @@ def _with_sampling(
     )
     if n < 1:
         raise OpenAIRequestError("n", f"n must be >= 1, got {n}")
+    if best_of is not None and best_of < 1:
+        raise OpenAIRequestError("best_of", f"best_of must be >= 1, got {best_of}")
     options = common_pb2.SamplingOptions()
     if is_beam_search:
         options.beam_width = best_of if best_of is not None else n
