@@ -200,3 +200,19 @@ def test_bad_handoffs_at_the_generation_worker(cluster: LocalCluster) -> None:
         context.Release(worker_pb2.ReleaseRequest(transfer_id=beyond.transfer_id), timeout=10.0)
     assert_pools_empty(cluster)
     assert_serving(cluster.coordinator)
+
+
+def test_extreme_but_valid_sampling_values_are_served(cluster: LocalCluster) -> None:
+    """Found by the fuzz test: these once failed a whole engine step (and every request in it)."""
+    cases = [
+        common_pb2.SamplingOptions(temperature=1e-310, max_new_tokens=3, seed=1),  # subnormal
+        common_pb2.SamplingOptions(temperature=1e308, max_new_tokens=3, seed=1),
+        common_pb2.SamplingOptions(length_penalty=-16.0, max_new_tokens=3),
+        common_pb2.SamplingOptions(length_penalty=16.0, beam_width=3, max_new_tokens=3),
+    ]
+    for server in (cluster.coordinator, cluster.aggregated):
+        with BeamsplitClient(server.address) as client:
+            for sampling in cases:
+                result = client.generate(build_request(prompt="edge", sampling=sampling), timeout_s=60.0)
+                assert result.beams, sampling
+    assert_pools_empty(cluster)
