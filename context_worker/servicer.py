@@ -9,8 +9,10 @@ import grpc
 from beamsplit.server.engine_loop import EngineLoopError
 from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
+from beamsplit.server.request_validation import RequestValidationError
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.server.status import worker_load
+from beamsplit.server.worker_validation import check_id, check_num_candidates, check_token_ids
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from context_worker.service import ContextService
 
@@ -44,6 +46,7 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
         if not self._gate.enter():
             context.abort(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         try:
+            self._check_prefill(request)
             held = self._service.prefill(
                 request_id=request.request_id,
                 attempt=request.attempt,
@@ -86,15 +89,27 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
         )
         return worker_pb2.PrefillResponse(handoff=handoff, prefill_ms=held.prefill_ms)
 
+    def _check_prefill(self, request: worker_pb2.PrefillRequest) -> None:
+        check_id(request.request_id, "request_id")
+        check_token_ids(request.prompt_token_ids, self._info.vocab_size, "prompt_token_ids")
+        if len(request.prompt_token_ids) >= self._info.max_model_len:
+            raise RequestValidationError(
+                f"prompt_token_ids: {len(request.prompt_token_ids)} tokens leave no room in the model's "
+                f"{self._info.max_model_len} positions"
+            )
+        check_num_candidates(request.num_candidates, self._info.vocab_size)
+
     def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
+        _check_transfer_id(request.transfer_id, context)
         released = self._service.release(request.transfer_id, request.reason or "released by peer")
         return worker_pb2.ReleaseResponse(released=released)
 
     def Heartbeat(
         self, request: worker_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> worker_pb2.HeartbeatResponse:
+        _check_transfer_id(request.transfer_id, context)
         alive, deadline_ms = self._service.heartbeat(request.transfer_id, request.extend_s)
         return worker_pb2.HeartbeatResponse(alive=alive, lease_deadline_unix_ms=deadline_ms)
 
@@ -107,6 +122,13 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
         self, request: common_pb2.WorkerInfoRequest, context: grpc.ServicerContext
     ) -> common_pb2.WorkerInfo:
         return self._info
+
+
+def _check_transfer_id(transfer_id: str, context: grpc.ServicerContext) -> None:
+    try:
+        check_id(transfer_id, "transfer_id")
+    except RequestValidationError as error:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"context worker: {error}")
 
 
 def _status_for(error: Exception) -> grpc.StatusCode:

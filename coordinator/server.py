@@ -85,8 +85,18 @@ def run(args: argparse.Namespace) -> int:
         gate,
         tls=tls,
         auth_token=auth_token,
+        max_message_mb=args.max_message_mb,
     )
-    front = OpenAIFront(service, tokenizer, model_name, limits.max_model_len, gate, metrics, "coordinator")
+    front = OpenAIFront(
+        service,
+        tokenizer,
+        model_name,
+        limits.max_model_len,
+        gate,
+        metrics,
+        "coordinator",
+        max_body_mb=args.http_max_body_mb,
+    )
     http_server = start_http_front(front, args.host, args.http_port, tls, auth_token)
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])

@@ -78,14 +78,19 @@ class SamplingParams:
     seed: int | None = None
 
     MAX_BEAM_WIDTH = 64
+    MAX_ABS_LENGTH_PENALTY = 16.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.beam_width <= self.MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be in [1, {self.MAX_BEAM_WIDTH}], got {self.beam_width}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if not abs(self.length_penalty) <= self.MAX_ABS_LENGTH_PENALTY:  # also refuses NaN
+            # length ** penalty must stay a float: 131072 ** 16 is 2**272, far from overflow.
+            raise ValueError(
+                f"length_penalty must be in [-{self.MAX_ABS_LENGTH_PENALTY:g}, {self.MAX_ABS_LENGTH_PENALTY:g}], "
+                f"got {self.length_penalty}"
+            )
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.eos_token_id is not None and self.eos_token_id < 0:

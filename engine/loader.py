@@ -168,10 +168,15 @@ def build_tiny_model(config: ModelConfig) -> Model:
 
 
 def build_model_from_checkpoint(config: ModelConfig, model_dir: Path) -> Model:
-    return _build_model(config, _read_checkpoint(model_dir), f"checkpoint in {model_dir}")
+    origins: dict[str, str] = {}
+    state = _read_checkpoint(model_dir, origins)
+    return _build_model(config, state, f"checkpoint in {model_dir}", origins)
 
 
-def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], where: str) -> Model:
+def _build_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], where: str, origins: dict[str, str] | None = None
+) -> Model:
+    """`origins`: the file each tensor came from, so a shape error names the file."""
     with torch.device("meta"):
         model = make_model(config)
     expected = set(model.state_dict())
@@ -186,7 +191,7 @@ def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], where: str
         expected_shape = tuple(model.get_parameter(name).shape)
         if tuple(tensor.shape) != expected_shape:
             raise ValueError(
-                f"{where}: tensor {name} has shape {tuple(tensor.shape)}, config says {expected_shape}"
+                f"{(origins or {}).get(name, where)}: tensor {name} has shape {tuple(tensor.shape)}, config says {expected_shape}"
             )
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
@@ -194,7 +199,7 @@ def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], where: str
     return model
 
 
-def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+def _read_checkpoint(model_dir: Path, origins: dict[str, str]) -> dict[str, torch.Tensor]:
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
         with open(index_file, encoding="utf-8") as file:
@@ -206,8 +211,15 @@ def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     state: dict[str, torch.Tensor] = {}
     for file_path in files:
-        for name, tensor in load_file(str(file_path), device="cpu").items():
+        try:
+            tensors = load_file(str(file_path), device="cpu")
+        except OSError:
+            raise
+        except Exception as error:  # safetensors' own error type: truncated or not safetensors at all
+            raise ValueError(f"{file_path}: not a readable safetensors file ({error})") from None
+        for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older exports saved the rotary table; it is rebuilt from the config
             state[name.removeprefix("model.")] = tensor
+            origins[name.removeprefix("model.")] = str(file_path)
     return state

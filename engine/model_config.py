@@ -175,7 +175,11 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         with open(path, encoding="utf-8") as file:
-            return cls.from_dict(json.load(file))
+            try:
+                raw = json.load(file)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ValueError(f"{path}: not valid JSON ({error})") from None
+        return cls.from_dict(raw)
 
 
 def _lfm2_from_dict(raw: dict[str, Any]) -> ModelConfig:

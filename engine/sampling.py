@@ -41,7 +41,9 @@ def sample_from_candidates(
     logprobs = torch.tensor(candidate_logprobs, dtype=torch.float64)  # [K], best first
     if params.top_k > 0:
         logprobs = logprobs[: params.top_k]
-    probs = torch.softmax(logprobs / params.temperature, dim=-1)  # [K]
+    # Shifted so the best is 0 before scaling: a tiny temperature sends the others to -inf, never
+    # all of them (which would make every probability NaN).
+    probs = torch.softmax((logprobs - logprobs[0]) / params.temperature, dim=-1)  # [K]
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p; the best token always stays.
         mass_before = torch.cumsum(probs, dim=-1) - probs  # [K]

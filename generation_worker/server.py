@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         lambda grpc_server: worker_pb2_grpc.add_GenerationWorkerServicer_to_server(servicer, grpc_server),
         gate,
         tls=tls,
+        max_message_mb=args.max_message_mb,
     )
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])

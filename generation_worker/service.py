@@ -170,8 +170,8 @@ class GenerationService:
             ours.dtype,
         ):
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"generation worker: page layout mismatch: context has block {layout.tokens_per_block}, "
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"handoff.layout: page layout mismatch: context has block {layout.tokens_per_block}, "
                 f"{layout.page_bytes} B/page, {layout.dtype}; this worker has block {ours.tokens_per_block}, "
                 f"{ours.page_bytes} B/page, {ours.dtype}",
             )

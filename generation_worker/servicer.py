@@ -17,6 +17,7 @@ from beamsplit.server.request_validation import (
 )
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.server.status import worker_load
+from beamsplit.server.worker_validation import check_handoff, check_id, check_token_ids
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from beamsplit.wire import ServiceError, beams_to_proto, delta_to_proto, engine_stats_to_map
 from engine.tokenizer import Tokenizer
@@ -58,7 +59,14 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
         timer = RequestTimer(self._metrics)
         self._metrics.requests_in_flight.inc()
         try:
+            check_handoff(request.handoff, self._limits.vocab_size)
+            check_token_ids(request.prompt_token_ids, self._limits.vocab_size, "prompt_token_ids")
             params = sampling_params_from_proto(request.sampling, self._limits)
+            if len(request.prompt_token_ids) + params.max_new_tokens > self._limits.max_model_len:
+                raise RequestValidationError(
+                    f"prompt_token_ids: {len(request.prompt_token_ids)} tokens + sampling.max_new_tokens "
+                    f"{params.max_new_tokens} exceed the model's {self._limits.max_model_len} positions"
+                )
             outputs = self._service.generate(
                 request.handoff,
                 list(request.prompt_token_ids),
@@ -114,6 +122,10 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
     def Cancel(
         self, request: worker_pb2.CancelRequest, context: grpc.ServicerContext
     ) -> worker_pb2.CancelResponse:
+        try:
+            check_id(request.request_id, "request_id")
+        except RequestValidationError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return worker_pb2.CancelResponse(cancelled=self._service.cancel(request.request_id))
 
     def GetLoad(

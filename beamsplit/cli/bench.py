@@ -15,6 +15,7 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 BENCHMARKS = (
     ("transfer", "KV page pulls between two processes vs ucx_perftest and NIXL"),
     ("service", "disaggregated service vs aggregated server: bytes pulled and latency per beam width"),
+    ("soak", "minutes of mixed traffic, a worker SIGKILLed and restarted every minute: lost, stranded, RSS"),
 )
 
 
@@ -46,5 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         benchmark_parser = benchmarks.add_parser(name, help=description, description=description)
         # Same flags as the script's own command line; defined here so `--help` needs no import.
         benchmark_parser.add_argument("--json", action="store_true", help="print only the JSON list")
-        benchmark_parser.add_argument("--quick", action="store_true", help="fewer cases, smaller pools")
+        if name == "soak":
+            benchmark_parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs")
+            benchmark_parser.add_argument("--concurrency", type=int, default=16, help="client threads")
+        else:
+            benchmark_parser.add_argument("--quick", action="store_true", help="fewer cases, smaller pools")
         benchmark_parser.set_defaults(handler=_runner(name))

@@ -15,6 +15,12 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     group.add_argument(
         "--shutdown-grace-s", type=float, default=10.0, help="how long SIGTERM waits for in-flight requests"
     )
+    group.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=4.0,
+        help="largest gRPC request accepted; larger ones are refused with RESOURCE_EXHAUSTED",
+    )
     security_args.add_server_tls_arguments(parser)
 
 
@@ -85,4 +91,10 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on --host (0: none)",
+    )
+    parser.add_argument(
+        "--http-max-body-mb",
+        type=float,
+        default=4.0,
+        help="largest HTTP request body accepted; larger ones are refused with 413",
     )

@@ -51,9 +51,17 @@ def run(args: argparse.Namespace) -> int:
         gate,
         tls=tls,
         auth_token=auth_token,
+        max_message_mb=args.max_message_mb,
     )
     front = OpenAIFront(
-        service, handle.engine.tokenizer, args.model, limits.max_model_len, gate, metrics, "aggregated server"
+        service,
+        handle.engine.tokenizer,
+        args.model,
+        limits.max_model_len,
+        gate,
+        metrics,
+        "aggregated server",
+        max_body_mb=args.http_max_body_mb,
     )
     http_server = start_http_front(front, args.host, args.http_port, tls, auth_token)
     metrics.serve(args.metrics_port, args.host)

@@ -52,6 +52,11 @@ from beamsplit.wire import ServiceError
 from engine.tokenizer import Tokenizer
 
 MAX_IN_FLIGHT = 256  # requests (each a thread) at once; more get 429 at once
+DEFAULT_MAX_BODY_MB = 4.0  # a 128k-token prompt as JSON token ids is about 1 MB
+
+
+class BodyTooLargeError(Exception):
+    """The request body is over the front's limit: 413, before any of it is parsed."""
 
 
 class OpenAIFront:
@@ -67,6 +72,7 @@ class OpenAIFront:
         metrics: ServerMetrics,
         role: str,
         max_in_flight: int = MAX_IN_FLIGHT,
+        max_body_mb: float = DEFAULT_MAX_BODY_MB,
     ) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
@@ -77,6 +83,7 @@ class OpenAIFront:
         self._role = role
         self._created = int(time.time())
         self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._max_body_bytes = int(max_body_mb * 1024 * 1024)
 
     def build_app(self) -> FastAPI:
         app = FastAPI(title="beamsplit", docs_url=None, redoc_url=None, openapi_url=None)
@@ -84,6 +91,7 @@ class OpenAIFront:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_exception_handler(OpenAIRequestError, _request_error_response)  # type: ignore[arg-type]
+        app.add_exception_handler(BodyTooLargeError, _body_too_large_response)  # type: ignore[arg-type]
         app.add_exception_handler(RequestValidationError, _framework_error_response)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
         return app
@@ -99,11 +107,13 @@ class OpenAIFront:
         return {"object": "list", "data": [model]}
 
     async def completions(self, request: Request) -> Response:
-        parsed = parse_completion_request(await _json_body(request), self._model_name)
+        parsed = parse_completion_request(await _json_body(request, self._max_body_bytes), self._model_name)
         return await self._serve(request, parsed, is_chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = parse_chat_request(await _json_body(request), self._model_name, self._tokenizer)
+        parsed = parse_chat_request(
+            await _json_body(request, self._max_body_bytes), self._model_name, self._tokenizer
+        )
         return await self._serve(request, parsed, is_chat=True)
 
     async def _serve(self, request: Request, parsed: CompletionRequest, is_chat: bool) -> Response:
@@ -174,8 +184,18 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _json_body(request: Request) -> object:
-    raw = await request.body()
+async def _json_body(request: Request, max_bytes: int) -> object:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLargeError(f"the request body is {int(declared)} bytes, over this server's {max_bytes}")
+    chunks: list[bytes] = []
+    num_bytes = 0
+    async for chunk in request.stream():  # a chunked body has no length up front: count as it comes
+        num_bytes += len(chunk)
+        if num_bytes > max_bytes:
+            raise BodyTooLargeError(f"the request body is over this server's {max_bytes} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -196,6 +216,10 @@ async def _request_error_response(request: Request, error: OpenAIRequestError) -
     return JSONResponse(
         error_body(error.message, "invalid_request_error", error.param, None), status_code=400
     )
+
+
+async def _body_too_large_response(request: Request, error: BodyTooLargeError) -> JSONResponse:
+    return JSONResponse(error_body(str(error), "invalid_request_error", None, None), status_code=413)
 
 
 async def _framework_error_response(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -20,12 +20,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from beamsplit.server.auth import BearerTokenInterceptor
+from beamsplit.server.decode_guard import DecodeGuardInterceptor
 from beamsplit.server.log_context import RequestIdFilter
 from beamsplit.server.tls import TlsConfig, open_channel
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "server shutting down"
+# gRPC's own default; a larger request is refused by gRPC itself with RESOURCE_EXHAUSTED.
+DEFAULT_MAX_MESSAGE_MB = 4.0
+# Threads serving calls. A streaming Generate holds one for its whole life, so this also bounds
+# the streams one server serves at once; the HTTP front (256 at most) runs on threads of its own.
+DEFAULT_MAX_WORKERS = 512
 
 
 class ShutdownGate:
@@ -97,16 +103,26 @@ def start_grpc_server(
     port: int,
     register: Callable[[grpc.Server], None],
     gate: ShutdownGate,
-    max_workers: int = 32,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
     tls: TlsConfig | None = None,
     auth_token: str | None = None,
 ) -> GrpcServer:
     """Binds (port 0 picks a free one), registers the role's servicers plus health, and starts.
 
-    With `tls` holding a certificate the port speaks TLS only (mutual when it requires client
-    certs); with `auth_token` every call but the health service needs the bearer token."""
-    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors)
+    Requests larger than `max_message_mb` are refused by gRPC (RESOURCE_EXHAUSTED); undecodable
+    ones answer INVALID_ARGUMENT (`decode_guard`). With `tls` holding a certificate the port speaks
+    TLS only (mutual when it requires client certs); with `auth_token` every call but the health
+    service needs the bearer token (checked before anything is decoded).
+    """
+    interceptors: list[grpc.ServerInterceptor] = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    interceptors.append(DecodeGuardInterceptor())
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        maximum_concurrent_rpcs=max_workers,  # beyond: RESOURCE_EXHAUSTED at once, never an unbounded queue
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", int(max_message_mb * 1024 * 1024))],
+    )
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     register(server)
