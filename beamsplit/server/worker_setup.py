@@ -8,6 +8,7 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,8 +144,15 @@ class TransferWatchdog:
 
     def _watch(self) -> None:
         is_serving = True
+        last_turn = time.monotonic()
         while not self._stopping.wait(self.PERIOD_S):
+            # A watchdog that itself woke late saw the whole process paused (SIGSTOP, a swap
+            # storm): the loop had no chance to run either, so this turn judges nothing.
+            now, was_paused = time.monotonic(), time.monotonic() - last_turn > self._bound_s
+            last_turn = now
             age_s = self._agent.loop_age_s()
+            if was_paused:
+                continue
             is_wedged = age_s > self._bound_s
             if is_wedged == is_serving:
                 is_serving = not is_wedged
