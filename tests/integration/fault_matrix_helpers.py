@@ -139,9 +139,19 @@ def wait_clean(deployment: HookedDeployment, fault: str, since: float) -> float:
     raise AssertionError(f"{fault}: still held {CLEAN_BOUND_S} s after the fault: {leftovers(deployment)}")
 
 
-def assert_serves(deployment: HookedDeployment) -> None:
+def assert_serves(deployment: HookedDeployment, probe_wait_s: float = 5.0) -> None:
+    """A new request is served; a worker just restarted or resumed may wait for the coordinator's
+    next health probe (every 0.5 s) to be routed to again, up to `probe_wait_s`."""
+    deadline = time.monotonic() + probe_wait_s
     with BeamsplitClient(deployment.coordinator.address) as client:
-        result = client.generate(build_request(token_ids=PROMPT, sampling=SHORT), timeout_s=30.0)
+        while True:
+            try:
+                result = client.generate(build_request(token_ids=PROMPT, sampling=SHORT), timeout_s=30.0)
+                break
+            except grpc.RpcError as error:
+                if "no healthy" not in (error.details() or "") or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
     assert len(result.beams) == 2
 
 
