@@ -127,13 +127,23 @@ def leftovers(deployment: HookedDeployment) -> dict[str, float]:
     return {name: value for name, value in found.items() if value != 0}
 
 
-def wait_clean(deployment: HookedDeployment, fault: str, since: float) -> float:
+def outcome(error: BaseException | None, result: object = None) -> str:
+    """What the client received, for the printed matrix."""
+    if error is None:
+        return f"ok (generation worker {getattr(result, 'stats', {}).get('generation_worker', '?')})"
+    assert isinstance(error, grpc.RpcError), error
+    return f"{error.code().name}: {error.details()}"
+
+
+def wait_clean(deployment: HookedDeployment, fault: str, since: float, client_saw: str = "") -> float:
     """Waits (bounded) until nothing is held anywhere; prints and returns seconds since `since`."""
     deadline = since + CLEAN_BOUND_S
     while time.monotonic() < deadline:
         if not leftovers(deployment):
             elapsed = time.monotonic() - since
             print(f"\nFAULT-MATRIX {fault}: pools empty {elapsed:.2f} s after the fault", flush=True)
+            if client_saw:
+                print(f"FAULT-MATRIX {fault}: the client received {client_saw}", flush=True)
             return elapsed
         time.sleep(0.05)
     raise AssertionError(f"{fault}: still held {CLEAN_BOUND_S} s after the fault: {leftovers(deployment)}")

@@ -30,6 +30,7 @@ from tests.integration.fault_matrix_helpers import (
     assert_serves,
     busy_generation,
     metric,
+    outcome,
     signal_process,
     start_hooked_deployment,
     wait_clean,
@@ -131,7 +132,8 @@ def test_generation_worker_killed(deployment: HookedDeployment, stage: str) -> N
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
         assert f"generation worker {victim.address} failed" in raised.value.details()
     retried = " (the retried request included)" if stage == "pulling" else ""
-    wait_clean(deployment, f"generation worker killed while {stage}{retried}", started)
+    saw = outcome(request.error, request.result) if stage == "pulling" else outcome(raised.value)
+    wait_clean(deployment, f"generation worker killed while {stage}{retried}", started, saw)
     deployment.restart(victim)
     assert_serves(deployment)
 
@@ -146,7 +148,8 @@ def test_context_worker_killed(deployment: HookedDeployment, pulls: bool) -> Non
     assert request.error is not None and request.error.code() == grpc.StatusCode.UNAVAILABLE
     assert "context worker" in request.error.details(), request.error.details()
     assert time.monotonic() - started < PULL_TIMEOUT_S  # the pull failed at once, not at its timeout
-    wait_clean(deployment, f"context worker killed {'during' if pulls else 'before'} the pull", started)
+    when = "during" if pulls else "before"
+    wait_clean(deployment, f"context worker killed {when} the pull", started, outcome(request.error))
     deployment.restart(deployment.context)
     assert_serves(deployment)
 
@@ -172,7 +175,7 @@ def test_frozen_context_worker_revokes_its_leases(deployment: HookedDeployment) 
     # The pull timed out; the frozen worker failed its health probes, so the retry found none.
     assert request.error is not None and request.error.code() == grpc.StatusCode.UNAVAILABLE
     assert request.error.details() == "no healthy context worker", request.error.details()
-    wait_clean(deployment, "context worker frozen past its lease", resumed)
+    wait_clean(deployment, "context worker frozen past its lease", resumed, outcome(request.error))
     stale = [tid for tid in held_transfer_ids(deployment.context) if tid not in before]
     assert len(stale) == 1
     assert not any(is_hold_alive(deployment.context, tid) for tid in stale)
@@ -202,7 +205,8 @@ def test_puller_frozen_mid_pull_past_its_lease(deployment: HookedDeployment) -> 
     print(f"\nFAULT-MATRIX puller frozen mid-pull: holder freed its pages {freed[0]:.2f} s in", flush=True)
     request.join()
     assert request.error is None, request.error  # retried: nothing had been streamed
-    wait_clean(deployment, "puller frozen mid-pull past its lease", resumed)
+    saw = outcome(request.error, request.result)
+    wait_clean(deployment, "puller frozen mid-pull past its lease", resumed, saw)
     stale = [tid for tid in held_transfer_ids(deployment.context) if tid not in before]
     assert stale and not is_hold_alive(deployment.context, stale[0])
     assert "ERROR" not in deployment.context.log_path.read_text()
@@ -228,6 +232,7 @@ def test_coordinator_killed_with_requests_in_flight(deployment: HookedDeployment
             pass
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     decoding.close()
-    wait_clean(deployment, "coordinator killed with requests in flight", started)
+    saw = f"{outcome(pulling.error)} (pulling); {outcome(raised.value)} (decoding)"
+    wait_clean(deployment, "coordinator killed with requests in flight", started, saw)
     deployment.restart(deployment.coordinator)
     assert_serves(deployment)

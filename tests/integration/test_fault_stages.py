@@ -27,6 +27,7 @@ from tests.integration.fault_matrix_helpers import (
     assert_serves,
     busy_generation,
     metric,
+    outcome,
     start_hooked_deployment,
     wait_clean,
     wait_until,
@@ -118,7 +119,7 @@ def test_request_ended_at_each_stage_leaves_nothing_held(
             first.join(timeout=30.0)
             assert first.first_ok == [True]  # type: ignore[attr-defined]
             started = time.monotonic()  # the request it queued behind is done: nothing may be held
-    wait_clean(deployment, f"{how} while {stage}", started)
+    wait_clean(deployment, f"{how} while {stage}", started, outcome(raised.value))
     if stage == "pulling":  # the pull really was running, and was stopped
         assert failure_counter(deployment, "cancelled") == cancelled_pulls + 1
     assert_serves(deployment)
