@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import (
     ShutdownGate,
@@ -17,7 +18,9 @@ from beamsplit.server.server_common import (
 from beamsplit.server.tls import tls_from_args
 from beamsplit.server.worker_setup import (
     KV_REGION_NAME,
+    TransferWatchdog,
     describe_transfer_agent,
+    install_fault_hooks,
     start_engine,
     start_transfer_agent,
     worker_info,
@@ -35,10 +38,17 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     metrics = ServerMetrics("context")
     handle = start_engine(engine_config_from_args(args), metrics)
-    agent = start_transfer_agent(handle, args)
+    hooks = FaultHooks.from_environment()
+    agent = start_transfer_agent(handle, args, hooks)
     info = worker_info(handle)
     service = ContextService(
-        handle.loop, agent, KV_REGION_NAME, metrics, default_lease_s=args.lease_s, page_bytes=info.page_bytes
+        handle.loop,
+        agent,
+        KV_REGION_NAME,
+        metrics,
+        default_lease_s=args.lease_s,
+        page_bytes=info.page_bytes,
+        prefill_delay_s=hooks.prefill_delay_s,
     )
     layout = worker_pb2.PageLayout(
         region=KV_REGION_NAME,
@@ -59,9 +69,12 @@ def run(args: argparse.Namespace) -> int:
     )
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
+    watchdog = TransferWatchdog(server, agent, [SERVICE_NAME], args.transfer_watchdog_s).start()
+    install_fault_hooks(agent, hooks)
     announce("context", server, args.host, args.metrics_port, describe_transfer_agent(agent))
 
     def cleanup() -> None:
+        watchdog.stop()
         service.shutdown()
         try:
             handle.stop()

@@ -65,7 +65,9 @@ class ContextService:
         default_lease_s: float = 30.0,
         engine_timeout_s: float = 120.0,
         page_bytes: int = 0,  # for the served-bytes counter
+        prefill_delay_s: float = 0.0,  # a test hook (beamsplit/server/fault_hooks.py)
     ) -> None:
+        self._prefill_delay_s = prefill_delay_s
         self._loop = loop
         self._agent = agent
         self._region_name = region_name
@@ -97,10 +99,13 @@ class ContextService:
         engine_request_id = f"{request_id}#{attempt}"
         started = time.perf_counter()
         try:
-            result = self._loop.call(
-                lambda engine: engine.prefill(engine_request_id, prompt_ids, num_candidates, salt=salt),
-                timeout_s=self._engine_timeout_s,
-            )
+
+            def run_prefill(engine: Any) -> Any:
+                if self._prefill_delay_s:
+                    time.sleep(self._prefill_delay_s)  # on the engine thread: later prefills queue
+                return engine.prefill(engine_request_id, prompt_ids, num_candidates, salt=salt)
+
+            result = self._loop.call(run_prefill, timeout_s=self._engine_timeout_s)
         except EngineLoopError:
             # The prefill may still run after the bound: unpin whatever it pins (queued after it).
             self._release_pages(engine_request_id)

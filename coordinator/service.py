@@ -87,9 +87,12 @@ class CoordinatorService:
         routed_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses ids
         attempt_state = _Attempt()
         on_client_gone(attempt_state.cancel)
+        full_workers: dict[str, str] = {}  # generation workers whose pool refused this request
         for attempt in range(self._settings.max_attempts):
             is_last = attempt == self._settings.max_attempts - 1
-            responses = self._try_once(routed_id, attempt, validated, time_remaining, attempt_state, is_last)
+            responses = self._try_once(
+                routed_id, attempt, validated, time_remaining, attempt_state, is_last, full_workers
+            )
             first_token_at: float | None = None
             try:
                 for response in responses:
@@ -103,6 +106,9 @@ class CoordinatorService:
                     response.request_id = request_id
                     yield response
                 return
+            except _PoolFullError as error:
+                full_workers[error.address] = error.details
+                logger.warning("request %s attempt %d: %s, retrying elsewhere", request_id, attempt, error)
             except _RetryableError as error:
                 logger.warning("request %s attempt %d failed, retrying: %s", request_id, attempt, error)
             finally:
@@ -117,14 +123,17 @@ class CoordinatorService:
         time_remaining: Callable[[], float | None],
         attempt_state: _Attempt,
         is_last: bool,
+        full_workers: dict[str, str],
     ) -> Generator[common_pb2.GenerateResponse, None, None]:
         # Both workers are chosen before any work starts: no prefill for a request nobody can decode.
         context_worker = self._context_pool.pick()
         if context_worker is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no healthy context worker")
-        generation_worker = self._generation_pool.pick()
+        generation_worker = self._generation_pool.pick(exclude=set(full_workers))
         if generation_worker is None:
             self._context_pool.finish(context_worker)
+            if full_workers:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, _pool_full_message(full_workers))
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no healthy generation worker")
         handoff: worker_pb2.Handoff | None = None
         is_streaming = False
@@ -177,6 +186,15 @@ class CoordinatorService:
             except grpc.RpcError as error:
                 if attempt_state.is_cancelled:
                     raise ServiceError(grpc.StatusCode.CANCELLED, "request cancelled by the client") from None
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not is_streaming:
+                    # Nothing reached the client: another generation worker may have room.
+                    details = error.details() or "pool full"
+                    if is_last:
+                        full_workers[generation_worker.address] = details
+                        raise ServiceError(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, _pool_full_message(full_workers)
+                        ) from None
+                    raise _PoolFullError(generation_worker.address, details) from None
                 raise self._upstream_error(
                     self._generation_pool, generation_worker, error, is_last, streamed=is_streaming
                 ) from None
@@ -244,6 +262,20 @@ class CoordinatorService:
 
 class _RetryableError(Exception):
     """An attempt failed before anything reached the client; another worker may serve it."""
+
+
+class _PoolFullError(Exception):
+    """A generation worker's pool refused the request before anything was streamed."""
+
+    def __init__(self, address: str, details: str) -> None:
+        super().__init__(f"generation worker {address}: {details}")
+        self.address = address
+        self.details = details
+
+
+def _pool_full_message(full_workers: dict[str, str]) -> str:
+    refusals = "; ".join(f"{address}: {details}" for address, details in full_workers.items())
+    return f"no generation worker has room for this request ({refusals})"
 
 
 def _num_candidates(sampling: common_pb2.SamplingOptions, vocab_size: int) -> int:

@@ -85,10 +85,16 @@ class WorkerPool:
                         "%s worker %s is left out of routing: %s", self.kind, worker.address, worker.mismatch
                     )
 
-    def pick(self) -> WorkerHandle | None:
-        """The least loaded healthy worker, counted as in flight until `finish`; None if none."""
+    def pick(self, exclude: set[str] | None = None) -> WorkerHandle | None:
+        """The least loaded healthy worker not in `exclude` (addresses), counted as in flight until
+        `finish`; None if none."""
+        excluded = exclude or set()
         with self._lock:
-            candidates = [worker for worker in self.workers if worker.is_healthy and worker.mismatch is None]
+            candidates = [
+                worker
+                for worker in self.workers
+                if worker.is_healthy and worker.mismatch is None and worker.address not in excluded
+            ]
             if not candidates:
                 return None
             chosen = min(candidates, key=lambda worker: (worker.load, worker.num_in_flight))

@@ -228,7 +228,11 @@ class LLMEngine:
             reserved = sum(request.remaining_blocks() for request in self.scheduler.running)
             if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
                 self.kv_cache.free(table)
-                raise OutOfBlocksError(f"request {request_id!r} needs up to {bound} blocks; the pool is full")
+                raise OutOfBlocksError(
+                    f"request {request_id!r} needs up to {bound} blocks; the pool is full "
+                    f"({self.kv_cache.num_free_blocks()} of {self.kv_cache.allocator.num_blocks} free, {reserved} promised "
+                    "to running requests)"
+                )
         slot_ids: list[int] = []
         if params is not None and self.state_pool is not None:
             try:

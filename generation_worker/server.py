@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import (
     ShutdownGate,
@@ -17,7 +18,9 @@ from beamsplit.server.server_common import (
 from beamsplit.server.tls import tls_from_args
 from beamsplit.server.worker_setup import (
     KV_REGION_NAME,
+    TransferWatchdog,
     describe_transfer_agent,
+    install_fault_hooks,
     model_limits,
     start_engine,
     start_transfer_agent,
@@ -37,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     metrics = ServerMetrics("generation")
     handle = start_engine(engine_config_from_args(args), metrics)
-    agent = start_transfer_agent(handle, args)
+    hooks = FaultHooks.from_environment()
+    agent = start_transfer_agent(handle, args, hooks)
     info = worker_info(handle)
     layout = LocalLayout(
         region_name=KV_REGION_NAME,
@@ -56,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         metrics,
         gate,
         GenerationTimeouts(pull_s=args.pull_timeout_s),
+        pull_delay_s=hooks.pull_delay_s,
     )
     servicer = GenerationWorkerServicer(
         service, gate, handle.engine.tokenizer, model_limits(handle.engine), info, metrics
@@ -70,9 +75,12 @@ def run(args: argparse.Namespace) -> int:
     )
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
+    watchdog = TransferWatchdog(server, agent, [SERVICE_NAME], args.transfer_watchdog_s).start()
+    install_fault_hooks(agent, hooks)
     announce("generation", server, args.host, args.metrics_port, describe_transfer_agent(agent))
 
     def cleanup() -> None:
+        watchdog.stop()
         try:
             handle.stop()
         finally:

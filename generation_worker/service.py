@@ -71,7 +71,9 @@ class GenerationService:
         metrics: ServerMetrics,
         gate: ShutdownGate,
         timeouts: GenerationTimeouts,
+        pull_delay_s: float = 0.0,  # a test hook (beamsplit/server/fault_hooks.py)
     ) -> None:
+        self._pull_delay_s = pull_delay_s
         self._loop = loop
         self._agent = agent
         self._layout = layout
@@ -193,6 +195,7 @@ class GenerationService:
         src_page_ids = [int(page) for page in handoff.page_ids[reservation.num_cached_blocks :]]
         if not dst_page_ids:
             return PullResult(0, 0, 0.0)
+        self._wait_before_pull(stop_reason)
         started = time.perf_counter()
         handle = self._agent.pull(
             handoff.ucx_address,
@@ -209,6 +212,15 @@ class GenerationService:
             return self._wait_for_pull(handle, handoff, dst_page_ids, started, stop_reason)
         finally:
             self._metrics.change_transfers_in_flight(-1)
+
+    def _wait_before_pull(self, stop_reason: Callable[[], ServiceError | None]) -> None:
+        # The test hook's pause (0 in a deployment); a cancel or shutdown still ends it at once.
+        deadline = time.monotonic() + self._pull_delay_s
+        while time.monotonic() < deadline:
+            reason = stop_reason()
+            if reason is not None:
+                raise reason
+            time.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
 
     def _wait_for_pull(
         self,

@@ -107,12 +107,13 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
         except EngineLoopError as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"generation worker: {error}")
         except Exception as error:
-            logger.exception("generation of %s failed", request_id)
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if "OutOfBlocks" in type(error).__name__
-                else grpc.StatusCode.INTERNAL
-            )
+            if "OutOfBlocks" in type(error).__name__:  # the pool cannot take it: expected, no trace
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                logger.info("refused: %s", error)
+            else:
+                code = grpc.StatusCode.INTERNAL
+                logger.exception("generation of %s failed", request_id)
+            outcome = code.name.lower()
             context.abort(code, f"generation worker: {type(error).__name__}: {error}")
         finally:
             self._metrics.count_request(outcome)

@@ -163,6 +163,11 @@ class TransferAgent(ABC):
         del transfer_id
         return 0
 
+    def loop_age_s(self) -> float:
+        """Seconds since the agent's event loop last came round (0 for an agent without one); the
+        workers' health watchdog reports NOT_SERVING when it passes a bound."""
+        return 0.0
+
     @abstractmethod
     def stats(self) -> AgentStats: ...
 

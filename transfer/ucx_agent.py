@@ -68,6 +68,7 @@ class UcxTransferAgent(TransferAgent):
         advertise_host: str | None = None,
         lanes: int | None = None,
         lane_split_bytes: int = 4 << 20,
+        serve_delay_s: float = 0.0,
     ) -> None:
         """Listens for pulls on host:port (loopback unless told otherwise; port 0 picks a free one).
 
@@ -78,7 +79,8 @@ class UcxTransferAgent(TransferAgent):
         uses one lane per `lane_split_bytes` it moves (at least one, at most `lanes`): handing
         work to a lane thread costs about 1 ms here, as long as copying 4 MiB (0: always all).
         `binding` is the UCX Python binding, "ucxx" or "ucp" (default: BEAMSPLIT_UCX_BINDING, else
-        whichever is installed, ucxx first).
+        whichever is installed, ucxx first). `serve_delay_s` is a test hook: the holder waits that
+        long after accepting a PULL before it posts its sends (0 in any deployment).
         """
         num_lanes = default_lanes() if lanes is None else lanes
         if not 1 <= num_lanes <= 16:
@@ -91,6 +93,8 @@ class UcxTransferAgent(TransferAgent):
             for index in range(1, num_lanes)
         ]
         self._lane_split_bytes = lane_split_bytes
+        self._serve_delay_s = serve_delay_s
+        self._loop_beat = time.monotonic()  # the loop's last turn: the health watchdog reads it
         self._listener = socket.create_server((host, port))
         self._listener.setblocking(False)
         is_wildcard = host in ("", "0.0.0.0", "::")
@@ -182,6 +186,15 @@ class UcxTransferAgent(TransferAgent):
         """Bytes each receive lane has received for pulls that completed (for tests and metrics)."""
         return [lane.bytes_received for lane in self._lanes]
 
+    def loop_age_s(self) -> float:
+        """Seconds since the event loop last came round; a wedged loop (a UCX call that never
+        returns) grows it without bound, an idle one keeps it under a few milliseconds."""
+        return time.monotonic() - self._loop_beat
+
+    def stall_loop_for_test(self, seconds: float) -> None:
+        """Test hook: blocks the event loop for `seconds`, as a wedged UCX call would."""
+        self._post(lambda: time.sleep(seconds))
+
     def stats(self) -> AgentStats:
         with self._lock:
             sessions = list(self._sessions.values())
@@ -241,6 +254,7 @@ class UcxTransferAgent(TransferAgent):
     # ---- everything below runs on the loop thread --------------------------------------------
     def _run(self) -> None:
         while not (self._is_closed and self._commands.empty()):
+            self._loop_beat = time.monotonic()
             try:
                 for key, _ in self._selector.select(self._wait_s()):
                     self._on_readable(key)
@@ -291,7 +305,14 @@ class UcxTransferAgent(TransferAgent):
             except BlockingIOError:
                 return
             self._add_session(
-                HolderSession(self._binding, Connection(sock), self._endpoints, self._book, self._regions)
+                HolderSession(
+                    self._binding,
+                    Connection(sock),
+                    self._endpoints,
+                    self._book,
+                    self._regions,
+                    self._serve_delay_s,
+                )
             )
         else:
             self._on_control_data(key.data)

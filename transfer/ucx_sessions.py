@@ -84,8 +84,11 @@ class HolderSession(Session):
         endpoints: EndpointPool,
         book: OfferBook,
         regions: Any,
+        serve_delay_s: float = 0.0,
     ) -> None:
         super().__init__(binding, connection, endpoints)
+        self._serve_delay_s = serve_delay_s  # a test hook (UcxTransferAgent)
+        self._sends_after = 0.0
         self._book = book
         self._regions = regions
         self.requests = UcxRequests(binding)
@@ -147,6 +150,7 @@ class HolderSession(Session):
         self._source, self._runs, self._tag_base = region, runs, message.tag_base
         self._run_lanes = list(message.run_lanes)
         self._mean_run_bytes = sum(counts) * region.page_bytes / len(runs)
+        self._sends_after = time.monotonic() + self._serve_delay_s
         self._post_sends()
         accept = ControlMessage(
             MessageKind.ACCEPT,
@@ -174,6 +178,8 @@ class HolderSession(Session):
         """Keeps at most _SEND_WINDOW sends outstanding: posting a thousand rendezvous sends at once
         only queues them inside UCX, where they cost on every progress."""
         assert self._source is not None
+        if self._serve_delay_s and time.monotonic() < self._sends_after:
+            return
         while self._num_posted < len(self._runs) and self.requests.num_pending < _SEND_WINDOW:
             run = self._runs[self._num_posted]
             buffer = page_buffer(self._source, run.src_first, run.num_pages)

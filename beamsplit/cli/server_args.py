@@ -52,6 +52,13 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         "pulled (default: 2, 1 on a single-core host); on one host the receiver does the copy, so "
         "lanes use more cores",
     )
+    group.add_argument(
+        "--transfer-watchdog-s",
+        type=float,
+        default=5.0,
+        help="health turns NOT_SERVING when the transfer agent's event loop has not come round for "
+        "this long (a wedged transfer layer), and SERVING again once it does",
+    )
 
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:

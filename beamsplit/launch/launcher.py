@@ -152,10 +152,18 @@ class ProcessGroup:
         arguments: list[str],
         env: dict[str, str] | None = None,
         http: bool = False,
+        same_ports_as: ServerProcess | None = None,
     ) -> ServerProcess:
-        """`http`: also serve the OpenAI-compatible front (coordinator and aggregated only)."""
-        port, metrics_port = self.ports.pick(), self.ports.pick()
-        http_port = self.ports.pick() if http else 0
+        """`http`: also serve the OpenAI-compatible front (coordinator and aggregated only).
+        `same_ports_as`: a stopped server this one replaces, on its ports (peers keep its address)."""
+        if same_ports_as is not None:
+            assert not same_ports_as.is_alive(), f"{same_ports_as.name} still runs"
+            port, metrics_port = same_ports_as.port, same_ports_as.metrics_port
+            http_port = same_ports_as.http_port
+        else:
+            port, metrics_port = self.ports.pick(), self.ports.pick()
+            http_port = self.ports.pick() if http else 0
+        http = http_port != 0
         http_arguments = ["--http-port", str(http_port)] if http else []
         command = [
             # No --host: every listener must bind loopback by default (tests/integration/test_security.py).
@@ -165,6 +173,9 @@ class ProcessGroup:
         ]  # fmt: skip
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
+        if same_ports_as is not None:
+            self.processes.remove(same_ports_as)
+            log_path = self.log_dir / f"{name}.{len(list(self.log_dir.glob(name + '.*log')))}.log"
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
                 command,

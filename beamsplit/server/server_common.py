@@ -93,9 +93,15 @@ class GrpcServer:
     port: int
     gate: ShutdownGate
 
-    def set_serving(self, service_names: Iterable[str]) -> None:
+    def set_serving(self, service_names: Iterable[str], is_serving: bool = True) -> None:
+        """SERVING or NOT_SERVING for the server and each named service; a no-op once shutting down."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ["", *service_names]:
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(name, status)
 
 
 def start_grpc_server(

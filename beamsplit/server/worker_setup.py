@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from beamsplit.server.engine_loop import EngineLoop
+from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.request_validation import ModelLimits
+from beamsplit.server.server_common import GrpcServer
 from beamsplit.v1 import common_pb2
 from engine.config import EngineConfig
-from transfer import MemoryRegion, UcxTransferAgent
+from transfer import MemoryRegion, TransferAgent, UcxTransferAgent
 
 KV_REGION_NAME = "kv"
 logger = logging.getLogger(__name__)
@@ -80,7 +85,9 @@ def worker_info(handle: EngineHandle) -> common_pb2.WorkerInfo:
     return info
 
 
-def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> UcxTransferAgent:
+def start_transfer_agent(
+    handle: EngineHandle, args: argparse.Namespace, hooks: FaultHooks | None = None
+) -> UcxTransferAgent:
     """A UCX agent with the engine's whole KV pool registered as `KV_REGION_NAME`.
 
     Its control listener binds the server's --host (port --transfer-port, 0: any free one); peers
@@ -91,6 +98,7 @@ def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> UcxT
         port=args.transfer_port,
         advertise_host=args.advertise_host,
         lanes=args.transfer_lanes,
+        serve_delay_s=hooks.serve_delay_s if hooks is not None else 0.0,
     )
     agent.register(
         KV_REGION_NAME,
@@ -107,3 +115,55 @@ def start_transfer_agent(handle: EngineHandle, args: argparse.Namespace) -> UcxT
 def describe_transfer_agent(agent: UcxTransferAgent) -> str:
     """The tail of a worker's "serving on" line: where pulls reach it and how it moves pages."""
     return f", ucx {agent.address} ({agent.binding_name}, {agent.num_lanes} receive lanes)"
+
+
+class TransferWatchdog:
+    """Health follows the transfer layer: NOT_SERVING while the agent's event loop has not come
+    round for `bound_s` (a wedged UCX call), SERVING again once it does. Runs on its own timer, so a
+    wedged worker is reported with no traffic at all, within `bound_s` plus one period."""
+
+    PERIOD_S = 0.25
+
+    def __init__(
+        self, server: GrpcServer, agent: TransferAgent, service_names: list[str], bound_s: float
+    ) -> None:
+        self._server = server
+        self._agent = agent
+        self._service_names = service_names
+        self._bound_s = bound_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="transfer-watchdog", daemon=True)
+
+    def start(self) -> TransferWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2.0)
+
+    def _watch(self) -> None:
+        is_serving = True
+        last_turn = time.monotonic()
+        while not self._stopping.wait(self.PERIOD_S):
+            # A watchdog that itself woke late saw the whole process paused (SIGSTOP, a swap
+            # storm): the loop had no chance to run either, so this turn judges nothing.
+            now, was_paused = time.monotonic(), time.monotonic() - last_turn > self._bound_s
+            last_turn = now
+            age_s = self._agent.loop_age_s()
+            if was_paused:
+                continue
+            is_wedged = age_s > self._bound_s
+            if is_wedged == is_serving:
+                is_serving = not is_wedged
+                if is_wedged:
+                    logger.error("transfer agent's event loop stuck for %.1f s: health NOT_SERVING", age_s)
+                else:
+                    logger.warning("transfer agent's event loop runs again: health SERVING")
+                self._server.set_serving(self._service_names, is_serving)
+
+
+def install_fault_hooks(agent: UcxTransferAgent, hooks: FaultHooks) -> None:
+    """Test only (docs/faults.md): SIGUSR1 wedges the transfer agent's loop for an hour."""
+    if hooks.is_wedge_on_sigusr1:
+        signal.signal(signal.SIGUSR1, lambda *_: agent.stall_loop_for_test(3600.0))
