@@ -11,6 +11,7 @@ first failure it prints which pullers the old holder still serves.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -69,9 +70,13 @@ def main(num_rounds: int, num_kills: int) -> None:
                 dst_page_ids=list(range(127, -1, -1)),
             )
             assert victim.process.wait(timeout=20.0) == -signal.SIGKILL
+            for pipe in (victim.process.stdin, victim.process.stdout):
+                if pipe is not None:
+                    pipe.close()
         puller, _ = agent_with_pool(8)
         status = pull(puller, holder)
-        print(f"round {round_index}: new in-process puller {status}", flush=True)
+        num_fds = len(os.listdir("/proc/self/fd"))
+        print(f"round {round_index}: new in-process puller {status} ({num_fds} open files)", flush=True)
         if status != TransferStatus.DONE.name:
             fresh_holder, _ = agent_with_pool(8)
             print("fresh holder -> fresh in-process puller:", pull(puller, fresh_holder))
