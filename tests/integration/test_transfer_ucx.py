@@ -316,8 +316,11 @@ def test_sender_killed_mid_transfer_fails_within_bound(large: tuple[LocalSide, P
 def test_puller_killed_mid_transfer_fails_within_bound_and_frees_the_holder() -> None:
     """This process holds 128 MiB; a helper pulls it and dies the moment the holder has accepted.
     The holder's transfer must end FAILED within its bound (the control connection's end of
-    stream), its pages be released, and the holder go on serving."""
-    holder = LocalSide(128, 1 << 20)
+    stream), its pages be released, and the holder go on serving. The holder posts its sends
+    0.2 s after accepting (the agent's test hook): without it a fast host could finish all
+    128 MiB and send DONE before the puller's watcher thread ran, so the puller died after its
+    transfer rather than during it (seen once in CI on a loaded 2-core host)."""
+    holder = LocalSide(128, 1 << 20, serve_delay_s=0.2)
     holder.pool[:] = seeded_pool(SEED, 128, 1 << 20)
     ended: list[TransferStatus] = []
     puller = None
