@@ -180,8 +180,11 @@ def _run_cases(
                 token_ids = tokenizer.encode(case.prompt)
                 request = build_request(prompt=case.prompt, sampling=sampling)
             started = time.monotonic()
-            result = coordinator.generate(request, timeout_s=120.0)
-            reference = aggregated.generate(request, timeout_s=120.0)
+            # Both deployments at once: they are separate processes, and the demo's minute is short.
+            with ThreadPoolExecutor(max_workers=1) as other:
+                reference_future = other.submit(aggregated.generate, request, 120.0)
+                result = coordinator.generate(request, timeout_s=120.0)
+                reference = reference_future.result(timeout=150.0)
             print(f"\n=== {index}. {case.title}, {_describe_length(len(token_ids))}", flush=True)
             print(f"    {'user message' if case.is_chat else 'prompt'}: {case.prompt!r}", flush=True)
             records = [beam_record(beam, text) for beam, text in zip(result.beams, result.texts, strict=True)]
