@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batch_invariant import InvariantLayout, invariant_attention, prepare_invariant_layout
 from engine.kv_pool import KEY, VALUE
 
 # (block_ids, num_cached_tokens, num_new_tokens) of one sequence
@@ -36,7 +37,10 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [B] index in [0, N) of each sequence's last new token
     query_seq_ids: torch.Tensor  # [N] sequence of each new token
     query_offsets: torch.Tensor  # [N] index of each new token among its sequence's new tokens
-    key_mask: torch.Tensor  # [B, Q, K] bool: padded query q of sequence b may see key slot k
+    key_mask: torch.Tensor | None  # [B, Q, K] bool: padded query q of sequence b may see key slot k
+    # Set in batch-invariant mode: paged_attention then runs engine/batch_invariant.py's kernel
+    # (and key_mask, which only the padded kernel reads, is None).
+    invariant: InvariantLayout | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -48,8 +52,13 @@ class AttentionMetadata:
 
 
 def prepare_attention(
-    seqs: Sequence[SequenceSpec], tokens_per_block: int, device: torch.device | str
+    seqs: Sequence[SequenceSpec],
+    tokens_per_block: int,
+    device: torch.device | str,
+    is_decode: Sequence[bool] | None = None,
 ) -> AttentionMetadata:
+    """is_decode: one flag per sequence (a decode step feeds one generated token) selects the
+    batch-invariant kernel; None keeps the padded one."""
     if not seqs:
         raise ValueError("seqs must hold at least one sequence")
     slots: list[int] = []
@@ -98,12 +107,17 @@ def prepare_attention(
         right - left for left, right in zip(query_start_loc, query_start_loc[1:], strict=False)
     )
 
-    # A padded query slot keeps position 0, so it sees key 0 and its softmax stays finite;
-    # its output is never read.
-    padded_positions = torch.zeros((len(seqs), max_query_len), dtype=torch.long, device=device)  # [B, Q]
-    padded_positions[query_seq_tensor, query_offset_tensor] = positions_tensor
-    key_slots = torch.arange(max_blocks * tokens_per_block, device=device)  # [K]
-    key_mask = key_slots[None, None, :] <= padded_positions[:, :, None]  # [B, Q, K]
+    invariant = None
+    key_mask = None
+    if is_decode is not None:
+        invariant = prepare_invariant_layout(seqs, is_decode, tokens_per_block, device)
+    else:
+        # A padded query slot keeps position 0, so it sees key 0 and its softmax stays finite;
+        # its output is never read.
+        padded_positions = torch.zeros((len(seqs), max_query_len), dtype=torch.long, device=device)  # [B, Q]
+        padded_positions[query_seq_tensor, query_offset_tensor] = positions_tensor
+        key_slots = torch.arange(max_blocks * tokens_per_block, device=device)  # [K]
+        key_mask = key_slots[None, None, :] <= padded_positions[:, :, None]  # [B, Q, K]
 
     return AttentionMetadata(
         tokens_per_block=tokens_per_block,
@@ -116,6 +130,7 @@ def prepare_attention(
         query_seq_ids=query_seq_tensor,
         query_offsets=query_offset_tensor,
         key_mask=key_mask,
+        invariant=invariant,
     )
 
 
@@ -138,6 +153,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [N, H, D] (rotary applied), kv_layer [num_blocks, 2, T, Hkv, D] already holding the
     new tokens' K/V -> attention output [N, H, D]."""
+    if metadata.invariant is not None:
+        return invariant_attention(query, kv_layer, metadata.invariant, scale)
+    assert metadata.key_mask is not None
     num_seqs, max_query_len, num_key_slots = metadata.key_mask.shape
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_layer.shape[3]

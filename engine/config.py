@@ -51,6 +51,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     max_num_seqs: int = 64
     seed: int = 0
+    # A request's tokens and scores do not depend on what else is in the batch (fixed-shape
+    # kernels, engine/batch_invariant.py); costs throughput, see docs/engine.md.
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

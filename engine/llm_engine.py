@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams, check_engine_params
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
@@ -57,6 +58,8 @@ class _Reservation:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
+        if config.batch_invariant:
+            make_batch_invariant(model)
         page_bytes = KVPool.page_bytes_for(self.model_config, config.cache.tokens_per_block, model.dtype)
         # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
         page_bytes += StatePool.state_bytes_for(self.model_config, model.dtype)
@@ -81,7 +84,7 @@ class LLMEngine:
                 model.dtype,
                 config.device,
             )
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool)
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks, self.state_pool
         )
@@ -114,7 +117,7 @@ class LLMEngine:
             # Beam i feeds its pending token at the slot just grown: position num_tokens - 1.
             slot_ids: list[int | None] = list(request.state_slot_ids) or [None] * len(request.tables)
             seqs.extend(
-                SequenceInput(table.block_ids, table.num_tokens - 1, [token_id], slot_id)
+                SequenceInput(table.block_ids, table.num_tokens - 1, [token_id], slot_id, is_decode=True)
                 for table, token_id, slot_id in zip(
                     request.tables, request.pending.token_ids, slot_ids, strict=True
                 )

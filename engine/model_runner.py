@@ -34,6 +34,9 @@ class SequenceInput:
     # place), and (num_tokens, block_id) snapshots to store on the way.
     state_slot_id: int | None = None
     snapshots: Sequence[tuple[int, int]] = field(default_factory=tuple)
+    # A decode step (one generated token) rather than prompt tokens: in batch-invariant mode the
+    # role picks the attention kernel's shape (engine/batch_invariant.py).
+    is_decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,18 @@ class PreparedBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, kv_pool: KVPool, state_pool: StatePool | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        kv_pool: KVPool,
+        state_pool: StatePool | None = None,
+        batch_invariant: bool = False,
+    ) -> None:
+        """batch_invariant: a sequence's log-probs do not depend on the rest of the batch; the
+        model's linear layers must be RowChunkedLinear too (make_batch_invariant)."""
         if isinstance(model, Lfm2Model) != (state_pool is not None):
             raise ValueError("a state pool goes with a hybrid model, and only with one")
+        self.batch_invariant = batch_invariant
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -54,7 +66,8 @@ class ModelRunner:
 
     def prepare_batch(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
         specs = [(seq.block_ids, seq.num_cached_tokens, len(seq.token_ids)) for seq in seqs]
-        metadata = prepare_attention(specs, self.kv_pool.tokens_per_block, self.device)
+        is_decode = [seq.is_decode for seq in seqs] if self.batch_invariant else None
+        metadata = prepare_attention(specs, self.kv_pool.tokens_per_block, self.device, is_decode)
         token_ids = [token_id for seq in seqs for token_id in seq.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]
         recurrent = None

@@ -45,6 +45,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         help="KV pool memory bound when --num-blocks is not given (default: 1.0 GiB)",
     )
     group.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fixed-shape kernels so a request's tokens and scores do not depend on the rest of the "
+        "batch; --no-batch-invariant uses the padded kernels (default: on; bench serve reports the cost)",
+    )
+    group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
     )
     group.add_argument(
@@ -65,6 +72,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        batch_invariant=args.batch_invariant,
         cache=CacheConfig(
             tokens_per_block=args.tokens_per_block,
             num_blocks=CacheConfig.num_blocks if is_auto_sized else args.num_blocks,

@@ -1,0 +1,159 @@
+"""Batch invariance: a token's numbers, and so a request's beams, do not depend on the batch.
+
+Kernel level: invariant_linear's rows, tree_sum and invariant_attention's rows are compared bit
+for bit alone and among neighbours (and against the plain kernels with a tolerance). Engine
+level: 16 requests of different prompt lengths, widths and shared prefixes join and leave one
+batch; each one's token ids and scores equal its run alone in a fresh engine, float32 and float64.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine.attention import paged_attention, prepare_attention
+from engine.batch_invariant import ROW_CHUNK, invariant_linear, tree_sum
+from tests.helpers.checkpoints import write_random_llama_checkpoint
+
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_their_neighbours(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(384, 256, generator=generator, dtype=dtype)
+    row = torch.randn(1, 256, generator=generator, dtype=dtype)
+    alone = invariant_linear(row, weight, None)[0]
+    torch.testing.assert_close(alone, torch.nn.functional.linear(row, weight)[0])
+    for num_rows in (2, 3, ROW_CHUNK, ROW_CHUNK + 1, 3 * ROW_CHUNK + 5, 200):
+        for position in (0, num_rows // 2, num_rows - 1):
+            batch = torch.randn(num_rows, 256, generator=generator, dtype=dtype)
+            batch[position] = row[0]
+            assert torch.equal(invariant_linear(batch, weight, None)[position], alone), (num_rows, position)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_sum_is_unchanged_by_zero_padding_and_more_rows(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for inner in (1, 3, 8, 96):
+        for length in (1, 2, 5, 33):
+            values = torch.randn(4, length, inner, generator=generator, dtype=dtype)
+            base = tree_sum(values, dim=1)
+            torch.testing.assert_close(base, values.sum(dim=1))
+            for extra in (1, 6, 40):
+                padded = torch.cat((values, torch.zeros(4, extra, inner, dtype=dtype)), dim=1)
+                more_rows = torch.cat(
+                    (padded, torch.randn(7, length + extra, inner, generator=generator, dtype=dtype))
+                )
+                assert torch.equal(tree_sum(padded, dim=1), base)
+                assert torch.equal(tree_sum(more_rows, dim=1)[:4], base)
+
+
+def attention_rows(
+    seqs: list[tuple[list[int], int, int]],
+    is_decode: list[bool] | None,
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+) -> torch.Tensor:
+    metadata = prepare_attention(seqs, kv_layer.shape[2], "cpu", is_decode)
+    return paged_attention(query, kv_layer, metadata, 0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_do_not_depend_on_the_batch_or_the_chunking(dtype: torch.dtype) -> None:
+    """A 150-token prompt's rows: one pass, two chunks (as after a reused prefix) and inside a batch
+    with other prompts and decode steps give the same bits; they match the padded kernel."""
+    generator = torch.Generator().manual_seed(2)
+    tokens_per_block, num_heads, num_kv_heads, head_dim = 32, 8, 2, 64
+    kv_layer = torch.randn(40, 2, tokens_per_block, num_kv_heads, head_dim, generator=generator, dtype=dtype)
+    prompt_blocks = [3, 7, 1, 12, 30]
+    prompt_query = torch.randn(150, num_heads, head_dim, generator=generator, dtype=dtype)
+    whole = attention_rows([(prompt_blocks, 0, 150)], [False], prompt_query, kv_layer)
+    torch.testing.assert_close(whole, attention_rows([(prompt_blocks, 0, 150)], None, prompt_query, kv_layer))
+    tail = attention_rows([(prompt_blocks, 64, 86)], [False], prompt_query[64:], kv_layer)
+    assert torch.equal(tail, whole[64:])
+    others = [([5, 6], 0, 40), ([9, 10, 11], 70, 1), ([13], 2, 1), ([20, 21, 22, 23, 24, 25, 26], 0, 200)]
+    other_queries = [
+        torch.randn(n, num_heads, head_dim, generator=generator, dtype=dtype) for _, _, n in others
+    ]
+    batch = [others[0], others[1], (prompt_blocks, 64, 86), others[2], others[3]]
+    decode_flags = [False, True, False, True, False]
+    query = torch.cat(
+        (other_queries[0], other_queries[1], prompt_query[64:], other_queries[2], other_queries[3])
+    )
+    rows = attention_rows(batch, decode_flags, query, kv_layer)
+    assert torch.equal(rows[41 : 41 + 86], whole[64:])
+    # A decode row alone equals the same row in the batch.
+    decode_alone = attention_rows([others[1]], [True], other_queries[1], kv_layer)
+    assert torch.equal(rows[40:41], decode_alone)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wide enough (hidden 256, GQA 8/2) that the plain kernels' shapes change the bits."""
+    return write_random_llama_checkpoint(
+        tmp_path_factory.mktemp("llama-256"),
+        num_heads=8,
+        num_kv_heads=2,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=3,
+        max_position_embeddings=2048,
+    )
+
+
+def make_engine(model_dir: Path, dtype: str) -> LLMEngine:
+    cache = CacheConfig(tokens_per_block=32, num_blocks=512)
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, cache=cache, batch_invariant=True))
+
+
+def mixed_requests() -> list[tuple[str, list[int], SamplingParams]]:
+    rng = random.Random(3)
+    common = [rng.randrange(5, 500) for _ in range(70)]  # 2 full blocks shared by a third of them
+    requests = []
+    for index in range(16):
+        length = [5, 33, 64, 100, 17, 250, 40, 8][index % 8]
+        prompt = [rng.randrange(5, 500) for _ in range(length)]
+        if index % 3 == 0:
+            prompt = common + prompt
+        params = SamplingParams(
+            beam_width=[1, 2, 4, 3][index % 4], max_new_tokens=6 + index % 5, ignore_eos=True
+        )
+        requests.append((f"r{index}", prompt, params))
+    return requests
+
+
+def beams_of(output: RequestOutput) -> list[tuple[list[int], float, float]]:
+    assert output.error is None, output.error
+    return [(beam.token_ids, beam.score, beam.cumulative_logprob) for beam in output.beams]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_requests_in_a_changing_batch_equal_their_runs_alone(model_dir: Path, dtype: str) -> None:
+    requests = mixed_requests()
+    alone = {
+        request_id: beams_of(make_engine(model_dir, dtype).generate(prompt, params))
+        for request_id, prompt, params in requests
+    }
+    engine = make_engine(model_dir, dtype)
+    together: dict[str, list[tuple[list[int], float, float]]] = {}
+    waiting, step = list(requests), 0
+    while waiting or engine.has_unfinished():
+        if waiting and step % 2 == 0:  # three join every other step while others run and leave
+            for request_id, prompt, params in waiting[:3]:
+                engine.add_request(request_id, prompt, params)
+            waiting = waiting[3:]
+        for output in engine.step():
+            if output.finished:
+                together[output.request_id] = beams_of(output)
+        engine.check_integrity()
+        step += 1
+    assert engine.counters().reused_tokens > 0  # the shared prefix was reused inside the batch
+    assert engine.num_blocks_in_use() == 0
+    different = [request_id for request_id in alone if together[request_id] != alone[request_id]]
+    assert not different, f"{len(different)} of {len(alone)} requests changed in the batch: {different}"
