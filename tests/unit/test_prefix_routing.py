@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.prefix_routing import Candidate, PrefixIndex, prompt_keys, rank
+from coordinator.worker_pool import WorkerPool
 from engine.config import CacheConfig
 from engine.kv_cache import KVCacheManager
 
@@ -88,3 +89,33 @@ def test_rank_goes_by_load_past_the_slack_and_without_a_match() -> None:
     assert rank([candidate(0, 2, 3), candidate(1, 1, 3)], slack=2).index == 1
     assert rank([candidate(0, 1, 0, in_flight=1), candidate(1, 1, 0, in_flight=0)], slack=2).index == 1
     assert rank([candidate(0, 0, 0), candidate(1, 0, 0)], slack=2).index == 0
+
+
+def test_the_pool_routes_by_what_it_remembers_and_forgets_an_unhealthy_worker() -> None:
+    pool = WorkerPool("generation", ["127.0.0.1:1", "127.0.0.1:2"], lambda channel: None, affinity_slack=1)
+    try:
+        first, second = pool.workers
+        for worker in pool.workers:
+            worker.is_healthy = True
+        shared = prompt_keys(prompt_of(70, 1), b"", BLOCK)
+        assert pool.pick(keys=shared) is first  # nothing known: the least loaded, in order
+        pool.finish(first)
+        pool.remember(second, shared)
+        chosen = pool.pick(keys=shared)
+        assert chosen is second  # 4 blocks matched there
+        other = pool.pick(keys=prompt_keys(prompt_of(70, 90), b"", BLOCK))
+        assert other is first  # unrelated: by load (second has 1 in flight)
+        assert pool.pick(keys=shared) is second  # 1 vs 1: the prefix
+        assert pool.pick(keys=shared) is second  # 2 vs 1: within the slack of 1
+        assert pool.pick(keys=shared) is first  # 3 vs 1: past the slack, load wins
+        for worker in (second, first, second, second, first):
+            pool.finish(worker)
+        pool.check_integrity()
+        pool.mark_unhealthy(second, "probe failed")
+        assert len(second.prefix_index) == 0
+        second.is_healthy = True
+        assert pool.pick(keys=shared) is first  # forgotten: it may have restarted empty
+        pool.finish(first)
+        pool.check_integrity()
+    finally:
+        pool.close()
