@@ -61,19 +61,33 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     """The bounded queue of requests whose KV blocks do not fit yet (docs/service.md, Admission)."""
     group = parser.add_argument_group("admission queue")
     group.add_argument(
         "--max-queued-requests",
-        type=int,
+        type=_non_negative_int,
         default=64,
         help="requests that may wait for KV blocks (or batch room) at once; more are refused with "
         "RESOURCE_EXHAUSTED (HTTP 429) at once (0: refuse whatever does not fit now)",
     )
     group.add_argument(
         "--max-queue-wait-s",
-        type=float,
+        type=_positive_float,
         default=30.0,
         help="longest a request waits in that queue before it is refused with RESOURCE_EXHAUSTED",
     )
@@ -112,7 +126,7 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefix-affinity-slack",
-        type=int,
+        type=_non_negative_int,
         default=2,
         help="a worker whose prefix tree holds more of the prompt is preferred while its load is at "
         "most this many requests above the least loaded worker's (docs/service.md, Routing)",

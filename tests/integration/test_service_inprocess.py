@@ -5,6 +5,7 @@ cancel during a stalled pull, lease lapse) that the process-level tests repeat o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from beamsplit.server.server_common import ShutdownGate
 from beamsplit.v1 import worker_pb2
 from beamsplit.wire import ServiceError
 from context_worker.service import ContextService
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from generation_worker.service import GenerationService, GenerationTimeouts, LocalLayout
 from transfer import LoopbackHub, LoopbackTransferAgent, MemoryRegion
 
@@ -111,9 +112,9 @@ def pair() -> Iterator[Pair]:
 
 
 def handoff_for(
-    pair: Pair, request_id: str, prompt_ids: list[int], params: SamplingParams
+    pair: Pair, request_id: str, prompt_ids: list[int], params: SamplingParams, lease_s: float = 0.0
 ) -> worker_pb2.Handoff:
-    held = pair.context.prefill(request_id, 0, prompt_ids, params.num_candidates, b"", lease_s=0.0)
+    held = pair.context.prefill(request_id, 0, prompt_ids, params.num_candidates, b"", lease_s=lease_s)
     return worker_pb2.Handoff(
         request_id=request_id,
         transfer_id=held.transfer_id,
@@ -196,3 +197,43 @@ def test_unpulled_prompt_is_released_when_its_lease_lapses(pair: Pair) -> None:
     pair.context.prefill("orphan", 0, prompt(67, offset=77), 4, b"", lease_s=0.3)
     assert pair.blocks_in_use()[0] == 3
     pair.wait_for_zero_blocks(timeout_s=3.0)
+
+
+def test_a_queued_request_keeps_its_prompt_held_past_the_lease_and_runs_when_blocks_free(pair: Pair) -> None:
+    """256 blocks; FILL's bound is 2 + 4 * 62 = 250, so WAITER (2 + 4 * 2 = 10) queues. Its prompt
+    is held under a 0.5 s lease: only the queue's heartbeats keep it alive for the pull."""
+    fill_ids, waiter_ids = prompt(67, offset=31), prompt(67, offset=32)
+    fill_params = SamplingParams(beam_width=4, max_new_tokens=2048 - 67, ignore_eos=True)
+    waiter_params = SamplingParams(beam_width=4, max_new_tokens=40)
+    stop_fill = threading.Event()
+    fill_outputs = pair.generation.generate(
+        handoff_for(pair, "fill", fill_ids, fill_params), fill_ids, fill_params, b"", stop_fill.is_set
+    )
+    assert not next(fill_outputs).finished  # decoding: its bound is promised
+    waiter_handoff = handoff_for(pair, "waiter", waiter_ids, waiter_params, lease_s=0.5)
+    finals: list[RequestOutput] = []
+    waiter = threading.Thread(
+        target=lambda: finals.extend(
+            list(pair.generation.generate(waiter_handoff, waiter_ids, waiter_params, b"", lambda: False))[-1:]
+        ),
+        daemon=True,
+    )
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while pair.generation.admission.num_waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pair.generation.admission.num_waiting == 1
+        time.sleep(1.5)  # three leases long: the hold lives on heartbeats alone
+        assert pair.context.num_holds == 1 and waiter.is_alive()
+    finally:
+        stop_fill.set()
+        with pytest.raises(ServiceError):
+            list(fill_outputs)
+    waiter.join(30.0)
+    assert not waiter.is_alive() and len(finals) == 1
+    final = finals[0]
+    assert final.finished and len(final.beams) == 4 and final.stats["transferred_blocks"] == 3
+    assert pair.generation.admission.num_waiting == 0
+    pair.generation.admission.check_integrity()
+    pair.wait_for_zero_blocks()
