@@ -168,11 +168,17 @@ class LLMEngine:
         """Prefill now with one beam; the prompt's blocks stay pinned until release_prefill.
 
         num_candidates <= 0 returns the whole vocabulary. Raises OutOfBlocksError (nothing held)
-        when the pool cannot take the prompt.
+        when the pool cannot take the prompt now, PoolTooSmallError when it never can.
         """
         self._check_prompt(prompt_ids, 0)
         if request_id in self._prefilled:
             raise ValueError(f"request_id {request_id!r} is already prefilled")
+        num_prompt_blocks = -(-len(prompt_ids) // self.cache_config.tokens_per_block)
+        if num_prompt_blocks > self.kv_cache.allocator.num_blocks:
+            raise PoolTooSmallError(
+                f"request {request_id!r} needs {num_prompt_blocks} blocks for its prompt, more than the "
+                f"pool's {self.kv_cache.allocator.num_blocks} in all"
+            )
         # A slot for the prompt's state during the pass; its final value leaves in the result.
         slot_ids = self.state_pool.allocate_slots(1) if self.state_pool is not None else []
         try:

@@ -100,6 +100,7 @@ def add_aggregated_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_arguments(parser)
+    add_admission_arguments(parser)
     parser.add_argument(
         "--lease-s", type=float, default=30.0, help="how long pages stay pinned without a heartbeat"
     )

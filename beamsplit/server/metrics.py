@@ -35,7 +35,7 @@ class MetricsSnapshot:
     num_blocks_in_use: int = 0
     num_blocks_cached: int = 0
     num_waiting_requests: int = 0
-    num_queued_requests: int = 0  # a worker's admission queue (generation worker)
+    num_queued_requests: int = 0  # a worker's admission queue (context and generation workers)
     prompt_tokens: int = 0
     reused_tokens: int = 0
     beam_tail_copies: int = 0
@@ -108,8 +108,8 @@ class ServerMetrics:
         )
         self.queued_requests = Gauge(
             "beamsplit_admission_queued_requests",
-            "requests waiting in the worker's admission queue for KV blocks (generation worker; the "
-            "aggregated server's queue is beamsplit_scheduler_waiting_requests)",
+            "requests waiting in the worker's admission queue for KV blocks (context and generation "
+            "workers; the aggregated server's queue is beamsplit_scheduler_waiting_requests)",
             registry=registry,
         )
         self.running_requests = Gauge(

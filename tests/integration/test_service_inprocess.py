@@ -18,7 +18,7 @@ from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import ShutdownGate
 from beamsplit.v1 import worker_pb2
 from beamsplit.wire import ServiceError
-from context_worker.service import ContextService
+from context_worker.service import ContextService, HeldPrompt
 from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from generation_worker.service import GenerationService, GenerationTimeouts, LocalLayout
 from transfer import LoopbackHub, LoopbackTransferAgent, MemoryRegion
@@ -236,4 +236,36 @@ def test_a_queued_request_keeps_its_prompt_held_past_the_lease_and_runs_when_blo
     assert final.finished and len(final.beams) == 4 and final.stats["transferred_blocks"] == 3
     assert pair.generation.admission.num_waiting == 0
     pair.generation.admission.check_integrity()
+    pair.wait_for_zero_blocks()
+
+
+def test_a_prefill_that_does_not_fit_waits_for_a_hold_to_end(pair: Pair) -> None:
+    """The context pool (256 blocks) pinned whole by four 2048-token prompts: a fifth prompt waits
+    in the context worker's queue, is prefilled once one hold ends, and a caller that leaves while
+    queued takes nothing with it."""
+    held = [
+        pair.context.prefill(f"pin-{index}", 0, prompt(2048, offset=500 + index), 1, b"", lease_s=30.0)
+        for index in range(4)
+    ]
+    assert pair.blocks_in_use()[0] == 256
+    results: list[HeldPrompt] = []
+    waiter = threading.Thread(
+        target=lambda: results.append(pair.context.prefill("later", 0, prompt(67, offset=600), 4, b"", 30.0)),
+        daemon=True,
+    )
+    waiter.start()
+    deadline = time.monotonic() + 10.0
+    while pair.context.admission.num_waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.context.admission.num_waiting == 1 and not results
+    with pytest.raises(ServiceError) as gone:
+        pair.context.prefill("gone", 0, prompt(67, offset=601), 4, b"", 30.0, is_caller_gone=lambda: True)
+    assert gone.value.code == grpc.StatusCode.CANCELLED and pair.context.admission.num_waiting == 1
+    assert pair.context.release(held[0].transfer_id, "test")
+    waiter.join(30.0)
+    assert not waiter.is_alive() and len(results) == 1
+    assert pair.context.admission.num_waiting == 0
+    for hold in (*held[1:], results[0]):
+        assert pair.context.release(hold.transfer_id, "test")
+    pair.context.admission.check_integrity()
     pair.wait_for_zero_blocks()

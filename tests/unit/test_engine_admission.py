@@ -54,6 +54,21 @@ def test_a_reservation_larger_than_the_pool_is_told_apart_and_holds_nothing() ->
     engine.check_integrity()
 
 
+def test_a_prompt_larger_than_the_pool_is_told_apart_on_the_context_side() -> None:
+    engine = make_engine(num_blocks=2)
+    with pytest.raises(
+        PoolTooSmallError, match=r"'long' needs 3 blocks for its prompt, more than the pool's 2 in all"
+    ):
+        engine.prefill("long", prompt_of(33, 1), 4)
+    engine.prefill("held", prompt_of(32, 1), 4)  # fits, and pins both blocks
+    with pytest.raises(OutOfBlocksError) as refused:
+        engine.prefill("later", prompt_of(20, 2), 4)
+    assert not isinstance(refused.value, PoolTooSmallError)  # not now: it fits once "held" ends
+    engine.release_prefill("held")
+    engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
+
+
 def test_reservations_still_pulling_count_their_bound_and_a_refusal_changes_nothing() -> None:
     engine = make_engine(num_blocks=12)
     first = engine.reserve_prompt("first", prompt_of(40, 1), params=PARAMS)
