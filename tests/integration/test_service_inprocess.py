@@ -68,8 +68,10 @@ class Pair:
         self.generation_loop.call(lambda engine: engine.check_integrity())
 
 
-def start_side(hub: LoopbackHub) -> tuple[LLMEngine, EngineLoop, LoopbackTransferAgent]:
-    engine = LLMEngine(CONFIG)
+def start_side(
+    hub: LoopbackHub, config: EngineConfig = CONFIG
+) -> tuple[LLMEngine, EngineLoop, LoopbackTransferAgent]:
+    engine = LLMEngine(config)
     loop = EngineLoop(engine)
     loop.start()
     agent = LoopbackTransferAgent(hub)
@@ -239,33 +241,43 @@ def test_a_queued_request_keeps_its_prompt_held_past_the_lease_and_runs_when_blo
     pair.wait_for_zero_blocks()
 
 
-def test_a_prefill_that_does_not_fit_waits_for_a_hold_to_end(pair: Pair) -> None:
-    """The context pool (256 blocks) pinned whole by four 2048-token prompts: a fifth prompt waits
-    in the context worker's queue, is prefilled once one hold ends, and a caller that leaves while
-    queued takes nothing with it."""
-    held = [
-        pair.context.prefill(f"pin-{index}", 0, prompt(2048, offset=500 + index), 1, b"", lease_s=30.0)
-        for index in range(4)
-    ]
-    assert pair.blocks_in_use()[0] == 256
-    results: list[HeldPrompt] = []
-    waiter = threading.Thread(
-        target=lambda: results.append(pair.context.prefill("later", 0, prompt(67, offset=600), 4, b"", 30.0)),
-        daemon=True,
+def test_a_prefill_that_does_not_fit_waits_for_a_hold_to_end() -> None:
+    """A context worker of 8 blocks pinned whole by two 128-token prompts: a third prompt waits in
+    its queue and is prefilled once one hold ends; a caller that leaves while queued takes nothing
+    with it."""
+    small = EngineConfig(
+        model="tiny", dtype="float64", cache=CacheConfig(tokens_per_block=BLOCK, num_blocks=8)
     )
-    waiter.start()
-    deadline = time.monotonic() + 10.0
-    while pair.context.admission.num_waiting == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert pair.context.admission.num_waiting == 1 and not results
-    with pytest.raises(ServiceError) as gone:
-        pair.context.prefill("gone", 0, prompt(67, offset=601), 4, b"", 30.0, is_caller_gone=lambda: True)
-    assert gone.value.code == grpc.StatusCode.CANCELLED and pair.context.admission.num_waiting == 1
-    assert pair.context.release(held[0].transfer_id, "test")
-    waiter.join(30.0)
-    assert not waiter.is_alive() and len(results) == 1
-    assert pair.context.admission.num_waiting == 0
-    for hold in (*held[1:], results[0]):
-        assert pair.context.release(hold.transfer_id, "test")
-    pair.context.admission.check_integrity()
-    pair.wait_for_zero_blocks()
+    engine, loop, agent = start_side(LoopbackHub(), small)
+    context = ContextService(loop, agent, "kv", ServerMetrics("context"), default_lease_s=30.0)
+    try:
+        held = [
+            context.prefill(f"pin-{index}", 0, prompt(128, offset=500 + index), 1, b"", 30.0)
+            for index in range(2)
+        ]
+        assert loop.call(lambda engine: engine.num_blocks_in_use()) == 8
+        results: list[HeldPrompt] = []
+        waiter = threading.Thread(
+            target=lambda: results.append(context.prefill("later", 0, prompt(67, offset=600), 4, b"", 30.0)),
+            daemon=True,
+        )
+        waiter.start()
+        deadline = time.monotonic() + 10.0
+        while context.admission.num_waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert context.admission.num_waiting == 1 and not results
+        with pytest.raises(ServiceError) as gone:
+            context.prefill("gone", 0, prompt(67, offset=601), 4, b"", 30.0, is_caller_gone=lambda: True)
+        assert gone.value.code == grpc.StatusCode.CANCELLED and context.admission.num_waiting == 1
+        assert context.release(held[0].transfer_id, "test")
+        waiter.join(30.0)
+        assert not waiter.is_alive() and len(results) == 1 and context.admission.num_waiting == 0
+        for hold in (held[1], results[0]):
+            assert context.release(hold.transfer_id, "test")
+        context.admission.check_integrity()
+        assert loop.call(lambda engine: engine.num_blocks_in_use()) == 0
+        loop.call(lambda engine: engine.check_integrity())
+    finally:
+        context.shutdown()
+        loop.stop()
+        agent.close()
