@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.server.admission_queue import AdmissionLimits
 from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import (
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         default_lease_s=args.lease_s,
         page_bytes=info.page_bytes,
         prefill_delay_s=hooks.prefill_delay_s,
+        admission=AdmissionLimits(args.max_queued_requests, args.max_queue_wait_s),
     )
     layout = worker_pb2.PageLayout(
         region=KV_REGION_NAME,

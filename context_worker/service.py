@@ -15,12 +15,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
+from beamsplit.server.admission_queue import AdmissionLimits, AdmissionQueue
 from beamsplit.server.engine_loop import EngineLoop, EngineLoopError
 from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
+from beamsplit.wire import ServiceError
+from engine.block_allocator import OutOfBlocksError, PoolTooSmallError
 from transfer import TransferAgent, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -66,8 +72,13 @@ class ContextService:
         engine_timeout_s: float = 120.0,
         page_bytes: int = 0,  # for the served-bytes counter
         prefill_delay_s: float = 0.0,  # a test hook (beamsplit/server/fault_hooks.py)
+        admission: AdmissionLimits | None = None,
     ) -> None:
         self._prefill_delay_s = prefill_delay_s
+        # A prompt that does not fit next to the pinned ones waits for a hold to end (bounded).
+        self.admission = AdmissionQueue(
+            admission or AdmissionLimits(), "KV blocks on this context worker", metrics.set_queued_requests
+        )
         self._loop = loop
         self._agent = agent
         self._region_name = region_name
@@ -94,6 +105,7 @@ class ContextService:
         num_candidates: int,
         salt: bytes,
         lease_s: float,
+        is_caller_gone: Callable[[], bool] = lambda: False,
     ) -> HeldPrompt:
         lease_s = lease_s if lease_s > 0 else self._default_lease_s
         engine_request_id = f"{request_id}#{attempt}"
@@ -105,7 +117,20 @@ class ContextService:
                     time.sleep(self._prefill_delay_s)  # on the engine thread: later prefills queue
                 return engine.prefill(engine_request_id, prompt_ids, num_candidates, salt=salt)
 
-            result = self._loop.call(run_prefill, timeout_s=self._engine_timeout_s)
+            def try_prefill() -> Any:
+                try:
+                    return self._loop.call(run_prefill, timeout_s=self._engine_timeout_s)
+                except PoolTooSmallError:
+                    raise
+                except OutOfBlocksError:
+                    return None  # not now: wait in the queue for a hold to end
+
+            def stop_reason() -> ServiceError | None:
+                if is_caller_gone():
+                    return ServiceError(grpc.StatusCode.CANCELLED, "context worker: caller gone while queued")
+                return None
+
+            result = self.admission.admit(try_prefill, stop_reason)
         except EngineLoopError:
             # The prefill may still run after the bound: unpin whatever it pins (queued after it).
             self._release_pages(engine_request_id)

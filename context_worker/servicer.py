@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from beamsplit.server.admission_queue import AdmissionRefusedError
 from beamsplit.server.engine_loop import EngineLoopError
 from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
@@ -14,7 +15,9 @@ from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.server.status import worker_load
 from beamsplit.server.worker_validation import check_id, check_num_candidates, check_token_ids
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from beamsplit.wire import ServiceError
 from context_worker.service import ContextService
+from engine.block_allocator import OutOfBlocksError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
                 num_candidates=request.num_candidates,
                 salt=bytes(request.salt),
                 lease_s=request.lease_s,
+                is_caller_gone=lambda: not context.is_active() or self._gate.is_aborting,
             )
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"context worker: {error}")
@@ -61,6 +65,11 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"context worker: {error}")
         except MemoryError as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context worker: {error}")
+        except (AdmissionRefusedError, OutOfBlocksError) as error:  # a full queue or a pool too small
+            logger.info("refused: %s", error)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context worker: {error}")
+        except ServiceError as error:
+            context.abort(error.code, error.message)
         except Exception as error:
             logger.exception("prefill %s failed", request.request_id)
             code = _status_for(error)

@@ -38,9 +38,19 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)  # our listeners' certificate, and the CA and client cert to reach workers
     auth_token = load_token(args)
     metrics = ServerMetrics("coordinator")
-    context_pool = WorkerPool("context", _split(args.context), worker_pb2_grpc.ContextWorkerStub, tls=tls)
+    context_pool = WorkerPool(
+        "context",
+        _split(args.context),
+        worker_pb2_grpc.ContextWorkerStub,
+        tls=tls,
+        affinity_slack=args.prefix_affinity_slack,
+    )
     generation_pool = WorkerPool(
-        "generation", _split(args.generation), worker_pb2_grpc.GenerationWorkerStub, tls=tls
+        "generation",
+        _split(args.generation),
+        worker_pb2_grpc.GenerationWorkerStub,
+        tls=tls,
+        affinity_slack=args.prefix_affinity_slack,
     )
     context_pool.start()
     generation_pool.start()
@@ -66,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=fleet_info.max_model_len,
         eos_token_id=fleet_info.eos_token_id if fleet_info.HasField("eos_token_id") else None,
     )
-    settings = CoordinatorSettings(max_attempts=max(1, args.max_attempts), lease_s=args.lease_s)
+    settings = CoordinatorSettings(
+        max_attempts=max(1, args.max_attempts),
+        lease_s=args.lease_s,
+        tokens_per_block=fleet_info.tokens_per_block,
+    )
     service = CoordinatorService(context_pool, generation_pool, tokenizer, limits, settings)
     gate = ShutdownGate()
     servicer = ClientApiServicer(

@@ -1,8 +1,11 @@
 """The coordinator's logic, free of the servicer: validate, route, hand off, stream.
 
-One client request: validate and tokenize (INVALID_ARGUMENT naming the field), pick the least
-loaded healthy context worker and prefill there, pick the least loaded healthy generation worker
-and stream its deltas through, then add the request's stats to the final message. A worker that
+One client request: validate and tokenize (INVALID_ARGUMENT naming the field), pick a healthy
+context worker and prefill there, pick a healthy generation worker and stream its deltas through,
+then add the request's stats to the final message. Both picks prefer the worker whose prefix tree
+probably holds most of the prompt, within a load slack, then the least loaded
+(coordinator/prefix_routing.py); a worker's index learns a prompt once the worker took it (the
+context worker answered its Prefill, the generation worker streamed). A worker that
 is unreachable before anything reached the client is marked unhealthy and the request tries
 again elsewhere (a new attempt number, so a new transfer id); after that, failures reach the
 client as UNAVAILABLE with the worker's address and reason. Whatever happens, the context
@@ -29,6 +32,7 @@ from beamsplit.server.request_validation import (
 )
 from beamsplit.v1 import common_pb2, coordinator_pb2, worker_pb2
 from beamsplit.wire import ServiceError
+from coordinator.prefix_routing import PromptKeys, prompt_keys
 from coordinator.worker_pool import WorkerHandle, WorkerPool
 from engine.tokenizer import Tokenizer
 
@@ -42,6 +46,7 @@ class CoordinatorSettings:
     request_timeout_s: float = 600.0  # when the client sets no deadline
     lease_s: float = 30.0
     release_timeout_s: float = 2.0
+    tokens_per_block: int = 32  # the fleet's: prompt keys for prefix-aware routing
 
 
 class _Attempt:
@@ -88,10 +93,11 @@ class CoordinatorService:
         attempt_state = _Attempt()
         on_client_gone(attempt_state.cancel)
         full_workers: dict[str, str] = {}  # generation workers whose pool refused this request
+        keys = prompt_keys(validated.prompt_ids, validated.salt, self._settings.tokens_per_block)
         for attempt in range(self._settings.max_attempts):
             is_last = attempt == self._settings.max_attempts - 1
             responses = self._try_once(
-                routed_id, attempt, validated, time_remaining, attempt_state, is_last, full_workers
+                routed_id, attempt, validated, keys, time_remaining, attempt_state, is_last, full_workers
             )
             first_token_at: float | None = None
             try:
@@ -120,16 +126,17 @@ class CoordinatorService:
         routed_id: str,
         attempt: int,
         validated: ValidatedRequest,
+        keys: PromptKeys,
         time_remaining: Callable[[], float | None],
         attempt_state: _Attempt,
         is_last: bool,
         full_workers: dict[str, str],
     ) -> Generator[common_pb2.GenerateResponse, None, None]:
         # Both workers are chosen before any work starts: no prefill for a request nobody can decode.
-        context_worker = self._context_pool.pick()
+        context_worker = self._context_pool.pick(keys=keys)
         if context_worker is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no healthy context worker")
-        generation_worker = self._generation_pool.pick(exclude=set(full_workers))
+        generation_worker = self._generation_pool.pick(exclude=set(full_workers), keys=keys)
         if generation_worker is None:
             self._context_pool.finish(context_worker)
             if full_workers:
@@ -159,6 +166,7 @@ class CoordinatorService:
                 ) from None
             handoff = prefill.handoff
             handoff.context_address = context_worker.address
+            self._context_pool.remember(context_worker, keys)
             if attempt_state.is_cancelled:
                 raise ServiceError(grpc.StatusCode.CANCELLED, "request cancelled by the client")
             call = generation_worker.stub.Generate(
@@ -170,6 +178,8 @@ class CoordinatorService:
             attempt_state.generation_call = call
             try:
                 for response in call:
+                    if not is_streaming:  # it reserved, pulled and committed the prompt
+                        self._generation_pool.remember(generation_worker, keys)
                     is_streaming = True
                     if response.HasField("final"):
                         stats = response.final.stats

@@ -1,9 +1,11 @@
 """The workers of one kind the coordinator may route to, with their health and load.
 
 A probe thread asks every worker for its health (and, when healthy, its load) on a timer. Routing
-picks the least loaded worker among those whose last probe said SERVING and whose layout agrees
-with the fleet's; a worker that fails a call is marked unhealthy at once and stays out of
-routing until a probe finds it serving again.
+picks among the workers whose last probe said SERVING and whose layout agrees with the fleet's:
+the one whose prefix tree probably holds most of the prompt, within a load slack, else the least
+loaded (coordinator/prefix_routing.py). A worker that fails a call is marked unhealthy at once and
+stays out of routing until a probe finds it serving again; what we believed its tree held is
+forgotten then (it may have restarted empty).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import grpc
 from beamsplit.server.server_common import check_health, peer_channel
 from beamsplit.server.tls import TlsConfig
 from beamsplit.v1 import common_pb2, coordinator_pb2
+from coordinator.prefix_routing import Candidate, PrefixIndex, PromptKeys, rank
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ class WorkerHandle:
     last_failure: str = ""  # why the last probe (or call) found it unhealthy
     num_in_flight: int = 0  # requests this coordinator has routed here and not finished
     mismatch: str | None = None  # why this worker's layout cannot serve with the fleet
+    prefix_index: PrefixIndex = field(default_factory=PrefixIndex)  # what its tree probably holds
 
     @property
     def load(self) -> int:
@@ -49,6 +53,7 @@ class WorkerPool:
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 1.0
     tls: TlsConfig | None = None  # a CA: TLS to the workers (our certificate shown, for mutual TLS)
+    affinity_slack: int = 2  # prefix affinity counts within this many requests of the least load
     workers: list[WorkerHandle] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,21 +90,37 @@ class WorkerPool:
                         "%s worker %s is left out of routing: %s", self.kind, worker.address, worker.mismatch
                     )
 
-    def pick(self, exclude: set[str] | None = None) -> WorkerHandle | None:
-        """The least loaded healthy worker not in `exclude` (addresses), counted as in flight until
-        `finish`; None if none."""
+    def pick(self, exclude: set[str] | None = None, keys: PromptKeys | None = None) -> WorkerHandle | None:
+        """The healthy worker not in `exclude` (addresses) that `rank` prefers for a prompt with
+        `keys` (None: the least loaded), counted as in flight until `finish`; None if none."""
         excluded = exclude or set()
+        lookup = keys.lookup if keys is not None else ()
         with self._lock:
-            candidates = [
-                worker
-                for worker in self.workers
+            routable = [
+                (index, worker)
+                for index, worker in enumerate(self.workers)
                 if worker.is_healthy and worker.mismatch is None and worker.address not in excluded
             ]
-            if not candidates:
+            if not routable:
                 return None
-            chosen = min(candidates, key=lambda worker: (worker.load, worker.num_in_flight))
+            candidates = [
+                Candidate(index, worker.load, worker.num_in_flight, worker.prefix_index.match(lookup))
+                for index, worker in routable
+            ]
+            chosen = self.workers[rank(candidates, self.affinity_slack).index]
             chosen.num_in_flight += 1
             return chosen
+
+    def remember(self, worker: WorkerHandle, keys: PromptKeys) -> None:
+        """`worker` took the prompt: its tree now holds the prompt's full blocks."""
+        with self._lock:
+            worker.prefix_index.insert(keys.recorded)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            for worker in self.workers:
+                assert worker.num_in_flight >= 0, f"{worker.address}: negative in-flight count"
+                worker.prefix_index.check_integrity()
 
     def finish(self, worker: WorkerHandle) -> None:
         with self._lock:
@@ -111,6 +132,7 @@ class WorkerPool:
                 logger.warning("%s worker %s marked unhealthy: %s", self.kind, worker.address, reason)
             worker.is_healthy = False
             worker.last_failure = reason
+            worker.prefix_index.clear()
 
     def num_healthy(self) -> int:
         with self._lock:
@@ -169,6 +191,10 @@ class WorkerPool:
                 logger.info(
                     "%s worker %s is %s", self.kind, worker.address, "healthy" if is_healthy else "unhealthy"
                 )
+            if not is_healthy:
+                worker.prefix_index.clear()  # it may come back restarted, its tree empty
+            elif info is not None and info.num_blocks > 0 and worker.prefix_index.capacity != info.num_blocks:
+                worker.prefix_index.resize(info.num_blocks)  # its tree holds no more blocks than that
             worker.is_healthy = is_healthy
             worker.last_failure = failure
             worker.last_load = load

@@ -5,7 +5,7 @@ No gRPC, no UCX, no other project package. The public API is described in docs/i
 
 from __future__ import annotations
 
-from engine.block_allocator import OutOfBlocksError
+from engine.block_allocator import OutOfBlocksError, PoolTooSmallError
 from engine.config import CacheConfig, EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.types import Beam, KVRegion, PrefillResult, PromptReservation, RequestOutput
@@ -17,6 +17,7 @@ __all__ = [
     "KVRegion",
     "LLMEngine",
     "OutOfBlocksError",
+    "PoolTooSmallError",
     "PrefillResult",
     "PromptReservation",
     "RequestOutput",

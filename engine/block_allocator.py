@@ -21,6 +21,10 @@ class OutOfBlocksError(RuntimeError):
     """Not enough free or evictable blocks; raised with the allocator exactly as before the call."""
 
 
+class PoolTooSmallError(OutOfBlocksError):
+    """A request's block bound exceeds the whole pool: it can never fit, so waiting cannot help."""
+
+
 def _ignore_eviction(block_id: int) -> None:
     del block_id
 

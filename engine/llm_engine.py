@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.batch_invariant import make_batch_invariant
+from engine.block_allocator import PoolTooSmallError
 from engine.config import EngineConfig, SamplingParams, check_engine_params
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
@@ -31,7 +32,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.request import Request, RequestState, make_decoder
 from engine.sampling import candidates_from_logprobs
-from engine.scheduler import Scheduler
+from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
 from engine.types import EngineCounters, KVRegion, PrefillResult, PromptReservation, RequestOutput
 
@@ -53,10 +54,15 @@ class _Reservation:
     salt: bytes
     new_blocks: int
     state_slot_ids: list[int]  # hybrid, with params: the request's W slots, taken up front
+    bound_blocks: int = 0  # with params: the request's block bound, promised while its pull runs
+
+    def remaining_blocks(self) -> int:
+        return max(0, self.bound_blocks - len(self.table.block_ids))
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, queue_limits: QueueLimits | None = None) -> None:
+        """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
         if config.batch_invariant:
             make_batch_invariant(model)
@@ -86,7 +92,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks, self.state_pool
+            self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks, self.state_pool, queue_limits
         )
         self._requests: dict[str, Request] = {}
         self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
@@ -165,11 +171,17 @@ class LLMEngine:
         """Prefill now with one beam; the prompt's blocks stay pinned until release_prefill.
 
         num_candidates <= 0 returns the whole vocabulary. Raises OutOfBlocksError (nothing held)
-        when the pool cannot take the prompt.
+        when the pool cannot take the prompt now, PoolTooSmallError when it never can.
         """
         self._check_prompt(prompt_ids, 0)
         if request_id in self._prefilled:
             raise ValueError(f"request_id {request_id!r} is already prefilled")
+        num_prompt_blocks = -(-len(prompt_ids) // self.cache_config.tokens_per_block)
+        if num_prompt_blocks > self.kv_cache.allocator.num_blocks:
+            raise PoolTooSmallError(
+                f"request {request_id!r} needs {num_prompt_blocks} blocks for its prompt, more than the "
+                f"pool's {self.kv_cache.allocator.num_blocks} in all"
+            )
         # A slot for the prompt's state during the pass; its final value leaves in the result.
         slot_ids = self.state_pool.allocate_slots(1) if self.state_pool is not None else []
         try:
@@ -210,11 +222,26 @@ class LLMEngine:
         self, request_id: str, prompt_ids: list[int], salt: bytes = b"", params: SamplingParams | None = None
     ) -> PromptReservation:
         """Blocks for a prompt whose KV will be pulled. With `params`, the request's whole block
-        bound must fit next to the running requests' and, for a hybrid model, its W state slots
-        are taken now (else OutOfBlocksError, nothing held)."""
+        bound must fit next to what the running requests and the other reservations may still
+        take, and, for a hybrid model, its W state slots are taken now. Raises PoolTooSmallError
+        when the bound exceeds the whole pool (it never fits), OutOfBlocksError when it does not
+        fit now (a caller may retry later); either way nothing is held."""
         self._check_prompt(prompt_ids, 0 if params is None else params.max_new_tokens)
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        bound = 0
+        if params is not None:
+            bound = self.kv_cache.blocks_needed(
+                len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width
+            )
+            if bound > self.kv_cache.allocator.num_blocks:
+                raise PoolTooSmallError(
+                    f"request {request_id!r} needs up to {bound} blocks, more than the pool's "
+                    f"{self.kv_cache.allocator.num_blocks} in all"
+                )
+        # A refusal restores the counters too: a queued request retries, and must not count its
+        # lookups each time.
+        stats_before = replace(self.kv_cache.stats)
         # Pulled pages overwrite whole blocks: copying a partly matched block would be wasted.
         new_blocks_before = self.kv_cache.stats.new_blocks
         # The prompt's final recurrent state comes with the pages: only the pages limit reuse here.
@@ -225,16 +252,17 @@ class LLMEngine:
         new_blocks = self.kv_cache.stats.new_blocks - new_blocks_before
         table = allocation.table
         if params is not None:
-            bound = self.kv_cache.blocks_needed(
-                len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width
+            # Reservations still pulling grow once they join the batch: their bounds count too.
+            reserved = sum(request.remaining_blocks() for request in self.scheduler.running) + sum(
+                held.remaining_blocks() for held in self._reservations.values()
             )
-            reserved = sum(request.remaining_blocks() for request in self.scheduler.running)
             if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
                 self.kv_cache.free(table)
+                self.kv_cache.stats = stats_before
                 raise OutOfBlocksError(
                     f"request {request_id!r} needs up to {bound} blocks; the pool is full "
                     f"({self.kv_cache.num_free_blocks()} of {self.kv_cache.allocator.num_blocks} free, {reserved} promised "
-                    "to running requests)"
+                    "to running and reserved requests)"
                 )
         slot_ids: list[int] = []
         if params is not None and self.state_pool is not None:
@@ -242,8 +270,11 @@ class LLMEngine:
                 slot_ids = self.state_pool.allocate_slots(params.beam_width)
             except OutOfBlocksError:
                 self.kv_cache.free(table)
+                self.kv_cache.stats = stats_before
                 raise
-        self._reservations[request_id] = _Reservation(table, list(prompt_ids), salt, new_blocks, slot_ids)
+        self._reservations[request_id] = _Reservation(
+            table, list(prompt_ids), salt, new_blocks, slot_ids, bound
+        )
         return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
 
     def cancel_reservation(self, request_id: str) -> None:

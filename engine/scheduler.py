@@ -6,7 +6,9 @@ Plain Python over the KVCacheManager; the model never appears here. Each `schedu
 2. admits waiting requests first come first served while the batch has room for their beams
    (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
    running requests may still take: floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks,
-   and, for a hybrid model, W free recurrent-state slots.
+   and, for a hybrid model, W free recurrent-state slots;
+3. sheds what the queue's `QueueLimits` do not allow: requests that waited too long, then the
+   youngest past the queue's length bound (each fails with `request.error`, holding nothing).
 
 A request's beams never depend on its neighbours: the batch only decides when a request
 advances, never what it computes.
@@ -28,6 +30,21 @@ from engine.state_pool import StatePool
 Result = TypeVar("Result")
 
 
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds on the waiting queue (None: unbounded, the offline engine). Counted after admission,
+    so a request that fits at once never counts against `max_num_waiting`."""
+
+    max_num_waiting: int | None = None
+    max_wait_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_waiting is not None and self.max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting must be >= 0, got {self.max_num_waiting}")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}")
+
+
 @dataclass
 class ScheduledBatch:
     prefills: list[Request] = field(default_factory=list)  # run their prompt, then start decoding
@@ -46,8 +63,10 @@ class Scheduler:
         max_num_seqs: int,
         copy_blocks: Callable[[list[CopyOp]], None],
         state_pool: StatePool | None = None,
+        queue_limits: QueueLimits | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.queue_limits = queue_limits or QueueLimits()
         # Hybrid models: request.state_slot_ids[i] holds running beam i's recurrent state.
         self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
@@ -108,6 +127,7 @@ class Scheduler:
             elif request.state is RequestState.DECODING and self._grow(request, batch):
                 batch.decodes.append(request)
         self._admit(batch)
+        self._shed_waiting(batch)
         if batch.is_empty and self.running and not blocks_held_elsewhere:
             # Nobody can advance and no block will come back on its own: rather than wait
             # forever, the youngest request gives its blocks up.
@@ -158,6 +178,29 @@ class Scheduler:
             request.times.admitted = time.monotonic()
             self.running.append(request)
             batch.prefills.append(request)
+
+    def _shed_waiting(self, batch: ScheduledBatch) -> None:
+        """Fail waiting requests past the queue's bounds; they hold no block, so nothing is freed."""
+        limits = self.queue_limits
+        if limits.max_wait_s is not None:
+            now = time.monotonic()
+            for request in list(self.waiting):
+                waited_s = now - request.times.arrival
+                if waited_s > limits.max_wait_s:
+                    message = (
+                        f"waited {waited_s:.1f} s in the queue for KV blocks or batch room "
+                        f"(max_queue_wait_s {limits.max_wait_s:g})"
+                    )
+                    self.waiting.remove(request)
+                    self._fail(request, message, batch)
+        if limits.max_num_waiting is not None:
+            while len(self.waiting) > limits.max_num_waiting:
+                request = self.waiting.pop()  # the youngest: the queue is first come first served
+                message = (
+                    f"queue full: {limits.max_num_waiting} requests already wait for KV blocks or "
+                    f"batch room (max_queued_requests {limits.max_num_waiting})"
+                )
+                self._fail(request, message, batch)
 
     def _try_allocate_prompt(self, request: Request) -> bool:
         if self.state_pool is not None and self.state_pool.num_free_slots() < request.num_beams:

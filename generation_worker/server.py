@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.server.admission_queue import AdmissionLimits
 from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import (
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         gate,
         GenerationTimeouts(pull_s=args.pull_timeout_s),
         pull_delay_s=hooks.pull_delay_s,
+        admission=AdmissionLimits(args.max_queued_requests, args.max_queue_wait_s),
     )
     servicer = GenerationWorkerServicer(
         service, gate, handle.engine.tokenizer, model_limits(handle.engine), info, metrics

@@ -1,7 +1,11 @@
 """The generation worker's logic, free of gRPC: take over a prefilled prompt and decode W beams.
 
 Order, and why:
-1. `reserve_prompt`: match this engine's own prefix tree, allocate only the missing pages.
+1. `reserve_prompt`: match this engine's own prefix tree, allocate only the missing pages, with
+   the request's whole block bound checked against the pool. A request that does not fit now
+   waits in the worker's bounded admission queue (beamsplit/server/admission_queue.py) while
+   heartbeats keep the context worker's hold alive; one that never fits, a full queue or a wait
+   past its bound is RESOURCE_EXHAUSTED, and the coordinator may try another worker.
 2. Pull exactly the missing pages from the context worker (heartbeats keep its lease alive).
 3. Tell the context worker to release: its pages are no longer needed once ours are filled.
 4. Only then `add_prefilled_request`: the prompt expands to W beams inside the engine, so the
@@ -21,11 +25,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from beamsplit.server.admission_queue import AdmissionLimits, AdmissionQueue, AdmissionRefusedError
 from beamsplit.server.engine_loop import EngineLoop, follow_stream
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import worker_pb2
 from beamsplit.wire import ServiceError
+from engine.block_allocator import OutOfBlocksError, PoolTooSmallError
 from engine.config import SamplingParams
 from engine.types import PromptReservation, RequestOutput
 from generation_worker.context_client import ContextClient
@@ -72,8 +78,12 @@ class GenerationService:
         gate: ShutdownGate,
         timeouts: GenerationTimeouts,
         pull_delay_s: float = 0.0,  # a test hook (beamsplit/server/fault_hooks.py)
+        admission: AdmissionLimits | None = None,
     ) -> None:
         self._pull_delay_s = pull_delay_s
+        self.admission = AdmissionQueue(
+            admission or AdmissionLimits(), "KV blocks on this generation worker", metrics.set_queued_requests
+        )
         self._loop = loop
         self._agent = agent
         self._layout = layout
@@ -116,10 +126,7 @@ class GenerationService:
         is_finished = is_released = False
         release_reason = "failed"
         try:
-            reservation: PromptReservation = self._loop.call(
-                lambda engine: engine.reserve_prompt(engine_request_id, prompt_ids, salt=salt, params=params),
-                timeout_s=self._timeouts.engine_s,
-            )
+            reservation = self._reserve(engine_request_id, handoff, prompt_ids, params, salt, stop_reason)
             pull = self._pull(handoff, reservation, stop_reason)
             self._context_client.release(handoff.context_address, handoff.transfer_id, "pulled")
             is_released = True
@@ -162,6 +169,51 @@ class GenerationService:
             self._loop.close_stream(engine_request_id)
             with self._lock:
                 self._cancel_events.pop(engine_request_id, None)
+
+    def _reserve(
+        self,
+        engine_request_id: str,
+        handoff: worker_pb2.Handoff,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        salt: bytes,
+        stop_reason: Callable[[], ServiceError | None],
+    ) -> PromptReservation:
+        """The request's blocks, now or after a bounded wait in the admission queue."""
+
+        def try_reserve() -> PromptReservation | None:
+            try:
+                reservation: PromptReservation = self._loop.call(
+                    lambda engine: engine.reserve_prompt(
+                        engine_request_id, prompt_ids, salt=salt, params=params
+                    ),
+                    timeout_s=self._timeouts.engine_s,
+                )
+            except PoolTooSmallError as error:  # waiting cannot help
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"generation worker: {error}"
+                ) from None
+            except OutOfBlocksError:
+                return None
+            return reservation
+
+        next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
+
+        def keep_hold_alive() -> None:
+            # The context worker pins the prompt until we pull it; its lease must outlast our wait.
+            nonlocal next_heartbeat
+            if time.monotonic() < next_heartbeat:
+                return
+            next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
+            if not self._context_client.heartbeat(
+                handoff.context_address, handoff.transfer_id, self._timeouts.lease_extend_s
+            ):
+                raise ServiceError(grpc.StatusCode.ABORTED, "context worker dropped the prompt's pages")
+
+        try:
+            return self.admission.admit(try_reserve, stop_reason, keep_hold_alive)
+        except AdmissionRefusedError as error:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"generation worker: {error}") from None
 
     def _check_handoff(self, handoff: worker_pb2.Handoff, prompt_ids: list[int]) -> None:
         layout = handoff.layout

@@ -22,7 +22,7 @@ ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | 
             "aggregated": (
                 "beamsplit.server.aggregated_server",
                 50050,
-                server_args.add_http_arguments,
+                server_args.add_aggregated_arguments,
                 "the client API on one engine (the reference)",
             ),
             "context": (

@@ -61,8 +61,46 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bounded queue of requests whose KV blocks do not fit yet (docs/service.md, Admission)."""
+    group = parser.add_argument_group("admission queue")
+    group.add_argument(
+        "--max-queued-requests",
+        type=_non_negative_int,
+        default=64,
+        help="requests that may wait for KV blocks (or batch room) at once; more are refused with "
+        "RESOURCE_EXHAUSTED (HTTP 429) at once (0: refuse whatever does not fit now)",
+    )
+    group.add_argument(
+        "--max-queue-wait-s",
+        type=_positive_float,
+        default=30.0,
+        help="longest a request waits in that queue before it is refused with RESOURCE_EXHAUSTED",
+    )
+
+
+def add_aggregated_arguments(parser: argparse.ArgumentParser) -> None:
+    add_http_arguments(parser)
+    add_admission_arguments(parser)
+
+
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_arguments(parser)
+    add_admission_arguments(parser)
     parser.add_argument(
         "--lease-s", type=float, default=30.0, help="how long pages stay pinned without a heartbeat"
     )
@@ -71,6 +109,7 @@ def add_context_arguments(parser: argparse.ArgumentParser) -> None:
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_arguments(parser)
     parser.add_argument("--pull-timeout-s", type=float, default=30.0, help="bound on one prompt's pull")
+    add_admission_arguments(parser)
 
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +124,13 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=30.0, help="lease asked of context workers")
     parser.add_argument(
         "--max-attempts", type=int, default=2, help="tries per request on unreachable workers"
+    )
+    parser.add_argument(
+        "--prefix-affinity-slack",
+        type=_non_negative_int,
+        default=2,
+        help="a worker whose prefix tree holds more of the prompt is preferred while its load is at "
+        "most this many requests above the least loaded worker's (docs/service.md, Routing)",
     )
     add_http_arguments(parser)
 

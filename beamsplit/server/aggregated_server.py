@@ -22,6 +22,7 @@ from beamsplit.server.status import self_status
 from beamsplit.server.tls import tls_from_args
 from beamsplit.server.worker_setup import model_limits, start_engine, worker_info
 from beamsplit.v1 import coordinator_pb2_grpc
+from engine.scheduler import QueueLimits
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "beamsplit.v1.Coordinator"
@@ -32,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     auth_token = load_token(args)
     metrics = ServerMetrics("aggregated")
-    handle = start_engine(engine_config_from_args(args), metrics)
+    # The aggregated server's queue is its scheduler's: requests wait there for blocks or batch room.
+    queue_limits = QueueLimits(max_num_waiting=args.max_queued_requests, max_wait_s=args.max_queue_wait_s)
+    handle = start_engine(engine_config_from_args(args), metrics, queue_limits)
     gate = ShutdownGate()
     limits = model_limits(handle.engine)
     service = AggregatedService(handle.loop, handle.engine.tokenizer, limits, gate)

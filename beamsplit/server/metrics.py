@@ -35,6 +35,7 @@ class MetricsSnapshot:
     num_blocks_in_use: int = 0
     num_blocks_cached: int = 0
     num_waiting_requests: int = 0
+    num_queued_requests: int = 0  # a worker's admission queue (context and generation workers)
     prompt_tokens: int = 0
     reused_tokens: int = 0
     beam_tail_copies: int = 0
@@ -103,6 +104,12 @@ class ServerMetrics:
         self.waiting_requests = Gauge(
             "beamsplit_scheduler_waiting_requests",
             "requests queued in the engine's scheduler, not yet admitted to the batch",
+            registry=registry,
+        )
+        self.queued_requests = Gauge(
+            "beamsplit_admission_queued_requests",
+            "requests waiting in the worker's admission queue for KV blocks (context and generation "
+            "workers; the aggregated server's queue is beamsplit_scheduler_waiting_requests)",
             registry=registry,
         )
         self.running_requests = Gauge(
@@ -214,6 +221,11 @@ class ServerMetrics:
             snapshot.prompt_tokens = counters.prompt_tokens
             snapshot.reused_tokens = counters.reused_tokens
             snapshot.beam_tail_copies = counters.beam_tail_copies
+
+    def set_queued_requests(self, count: int) -> None:
+        self.queued_requests.set(count)
+        with self._lock:
+            self._snapshot.num_queued_requests = count
 
     # -- requests ----------------------------------------------------------------------------
     def count_request(self, outcome: str) -> None:

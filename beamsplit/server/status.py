@@ -13,7 +13,8 @@ def worker_load(metrics: ServerMetrics, num_requests: int) -> common_pb2.WorkerL
         num_blocks_in_use=snapshot.num_blocks_in_use,
         num_blocks_total=snapshot.num_blocks_total,
         num_blocks_cached=snapshot.num_blocks_cached,
-        num_waiting_requests=snapshot.num_waiting_requests,
+        # The scheduler's queue (aggregated) plus the admission queue (generation worker).
+        num_waiting_requests=snapshot.num_waiting_requests + snapshot.num_queued_requests,
         prompt_tokens=snapshot.prompt_tokens,
         reused_tokens=snapshot.reused_tokens,
         transfer_blocks=snapshot.transfer_blocks,

@@ -19,6 +19,7 @@ from beamsplit.server.request_validation import ModelLimits
 from beamsplit.server.server_common import GrpcServer
 from beamsplit.v1 import common_pb2
 from engine.config import EngineConfig
+from engine.scheduler import QueueLimits
 from transfer import MemoryRegion, TransferAgent, UcxTransferAgent
 
 KV_REGION_NAME = "kv"
@@ -44,11 +45,14 @@ class ModelLoadError(Exception):
     """`--model` could not be loaded; the message is one line naming the file and the reason."""
 
 
-def start_engine(config: EngineConfig, metrics: ServerMetrics) -> EngineHandle:
+def start_engine(
+    config: EngineConfig, metrics: ServerMetrics, queue_limits: QueueLimits | None = None
+) -> EngineHandle:
+    """queue_limits: bounds on the scheduler's waiting queue (the aggregated server's queue)."""
     from engine import LLMEngine
 
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, queue_limits)
     except (OSError, ValueError) as error:  # missing files, bad checkpoints, refused formats
         raise ModelLoadError(f"cannot load --model {config.model}: {error}") from error
     config = engine.config  # the pool size is settled once the model is loaded

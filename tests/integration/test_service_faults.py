@@ -103,7 +103,10 @@ def test_concurrent_requests_go_to_the_least_loaded_worker(deployment: Deploymen
         try:
             busy = [server for server in deployment.generations if blocks(server) > 0]
             assert len(busy) == 1
-            result = client.generate(build_request(token_ids=PROMPT, sampling=SHORT), timeout_s=60.0)
+            # Another prompt: one sharing PROMPT's blocks would follow them to the busy worker
+            # (prefix affinity within the load slack, docs/service.md Routing).
+            other_prompt = [token + 100 for token in PROMPT]
+            result = client.generate(build_request(token_ids=other_prompt, sampling=SHORT), timeout_s=60.0)
             assert result.stats["generation_worker"] != busy[0].address
         finally:
             call.cancel()  # type: ignore[attr-defined]

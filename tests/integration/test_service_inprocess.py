@@ -5,6 +5,7 @@ cancel during a stalled pull, lease lapse) that the process-level tests repeat o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import ShutdownGate
 from beamsplit.v1 import worker_pb2
 from beamsplit.wire import ServiceError
-from context_worker.service import ContextService
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from context_worker.service import ContextService, HeldPrompt
+from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from generation_worker.service import GenerationService, GenerationTimeouts, LocalLayout
 from transfer import LoopbackHub, LoopbackTransferAgent, MemoryRegion
 
@@ -67,8 +68,10 @@ class Pair:
         self.generation_loop.call(lambda engine: engine.check_integrity())
 
 
-def start_side(hub: LoopbackHub) -> tuple[LLMEngine, EngineLoop, LoopbackTransferAgent]:
-    engine = LLMEngine(CONFIG)
+def start_side(
+    hub: LoopbackHub, config: EngineConfig = CONFIG
+) -> tuple[LLMEngine, EngineLoop, LoopbackTransferAgent]:
+    engine = LLMEngine(config)
     loop = EngineLoop(engine)
     loop.start()
     agent = LoopbackTransferAgent(hub)
@@ -111,9 +114,9 @@ def pair() -> Iterator[Pair]:
 
 
 def handoff_for(
-    pair: Pair, request_id: str, prompt_ids: list[int], params: SamplingParams
+    pair: Pair, request_id: str, prompt_ids: list[int], params: SamplingParams, lease_s: float = 0.0
 ) -> worker_pb2.Handoff:
-    held = pair.context.prefill(request_id, 0, prompt_ids, params.num_candidates, b"", lease_s=0.0)
+    held = pair.context.prefill(request_id, 0, prompt_ids, params.num_candidates, b"", lease_s=lease_s)
     return worker_pb2.Handoff(
         request_id=request_id,
         transfer_id=held.transfer_id,
@@ -196,3 +199,85 @@ def test_unpulled_prompt_is_released_when_its_lease_lapses(pair: Pair) -> None:
     pair.context.prefill("orphan", 0, prompt(67, offset=77), 4, b"", lease_s=0.3)
     assert pair.blocks_in_use()[0] == 3
     pair.wait_for_zero_blocks(timeout_s=3.0)
+
+
+def test_a_queued_request_keeps_its_prompt_held_past_the_lease_and_runs_when_blocks_free(pair: Pair) -> None:
+    """256 blocks; FILL's bound is 2 + 4 * 62 = 250, so WAITER (2 + 4 * 2 = 10) queues. Its prompt
+    is held under a 0.5 s lease: only the queue's heartbeats keep it alive for the pull."""
+    fill_ids, waiter_ids = prompt(67, offset=31), prompt(67, offset=32)
+    fill_params = SamplingParams(beam_width=4, max_new_tokens=2048 - 67, ignore_eos=True)
+    waiter_params = SamplingParams(beam_width=4, max_new_tokens=40)
+    stop_fill = threading.Event()
+    fill_outputs = pair.generation.generate(
+        handoff_for(pair, "fill", fill_ids, fill_params), fill_ids, fill_params, b"", stop_fill.is_set
+    )
+    assert not next(fill_outputs).finished  # decoding: its bound is promised
+    waiter_handoff = handoff_for(pair, "waiter", waiter_ids, waiter_params, lease_s=0.5)
+    finals: list[RequestOutput] = []
+    waiter = threading.Thread(
+        target=lambda: finals.extend(
+            list(pair.generation.generate(waiter_handoff, waiter_ids, waiter_params, b"", lambda: False))[-1:]
+        ),
+        daemon=True,
+    )
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while pair.generation.admission.num_waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pair.generation.admission.num_waiting == 1
+        time.sleep(1.5)  # three leases long: the hold lives on heartbeats alone
+        assert pair.context.num_holds == 1 and waiter.is_alive()
+    finally:
+        stop_fill.set()
+        with pytest.raises(ServiceError):
+            list(fill_outputs)
+    waiter.join(30.0)
+    assert not waiter.is_alive() and len(finals) == 1
+    final = finals[0]
+    assert final.finished and len(final.beams) == 4 and final.stats["transferred_blocks"] == 3
+    assert pair.generation.admission.num_waiting == 0
+    pair.generation.admission.check_integrity()
+    pair.wait_for_zero_blocks()
+
+
+def test_a_prefill_that_does_not_fit_waits_for_a_hold_to_end() -> None:
+    """A context worker of 8 blocks pinned whole by two 128-token prompts: a third prompt waits in
+    its queue and is prefilled once one hold ends; a caller that leaves while queued takes nothing
+    with it."""
+    small = EngineConfig(
+        model="tiny", dtype="float64", cache=CacheConfig(tokens_per_block=BLOCK, num_blocks=8)
+    )
+    engine, loop, agent = start_side(LoopbackHub(), small)
+    context = ContextService(loop, agent, "kv", ServerMetrics("context"), default_lease_s=30.0)
+    try:
+        held = [
+            context.prefill(f"pin-{index}", 0, prompt(128, offset=500 + index), 1, b"", 30.0)
+            for index in range(2)
+        ]
+        assert loop.call(lambda engine: engine.num_blocks_in_use()) == 8
+        results: list[HeldPrompt] = []
+        waiter = threading.Thread(
+            target=lambda: results.append(context.prefill("later", 0, prompt(67, offset=600), 4, b"", 30.0)),
+            daemon=True,
+        )
+        waiter.start()
+        deadline = time.monotonic() + 10.0
+        while context.admission.num_waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert context.admission.num_waiting == 1 and not results
+        with pytest.raises(ServiceError) as gone:
+            context.prefill("gone", 0, prompt(67, offset=601), 4, b"", 30.0, is_caller_gone=lambda: True)
+        assert gone.value.code == grpc.StatusCode.CANCELLED and context.admission.num_waiting == 1
+        assert context.release(held[0].transfer_id, "test")
+        waiter.join(30.0)
+        assert not waiter.is_alive() and len(results) == 1 and context.admission.num_waiting == 0
+        for hold in (held[1], results[0]):
+            assert context.release(hold.transfer_id, "test")
+        context.admission.check_integrity()
+        assert loop.call(lambda engine: engine.num_blocks_in_use()) == 0
+        loop.call(lambda engine: engine.check_integrity())
+    finally:
+        context.shutdown()
+        loop.stop()
+        agent.close()
