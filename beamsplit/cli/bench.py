@@ -16,6 +16,11 @@ BENCHMARKS = (
     ("transfer", "KV page pulls between two processes vs ucx_perftest and NIXL"),
     ("service", "disaggregated service vs aggregated server: bytes pulled and latency per beam width"),
     ("soak", "minutes of mixed traffic, a worker SIGKILLed and restarted every minute: lost, stranded, RSS"),
+    (
+        "serve",
+        "a replayed Poisson workload (beam widths 1/2/4) on a 156M random Llama: disaggregated, aggregated "
+        "and transformers generate; throughput, TTFT, inter-token latency, KV memory, goals",
+    ),
 )
 
 
@@ -47,9 +52,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         benchmark_parser = benchmarks.add_parser(name, help=description, description=description)
         # Same flags as the script's own command line; defined here so `--help` needs no import.
         benchmark_parser.add_argument("--json", action="store_true", help="print only the JSON list")
-        if name == "soak":
+        if name == "serve":
+            add_serve_arguments(benchmark_parser)
+        elif name == "soak":
             benchmark_parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs")
             benchmark_parser.add_argument("--concurrency", type=int, default=16, help="client threads")
         else:
             benchmark_parser.add_argument("--quick", action="store_true", help="fewer cases, smaller pools")
         benchmark_parser.set_defaults(handler=_runner(name))
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench serve`'s flags beyond --json (bench/serve.py uses this too). Unset sizes take the
+    full run's values, or --quick's; bench/serve.py holds both sets and prints them in its JSON."""
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny run: 6 requests, prompts of 32-256 tokens, 8 new tokens"
+    )
+    parser.add_argument("--num-requests", type=int, help="requests in the workload")
+    parser.add_argument("--rate", type=float, help="Poisson arrivals per second")
+    parser.add_argument("--min-prompt-len", type=int, help="shortest prompt, tokens")
+    parser.add_argument("--max-prompt-len", type=int, help="longest prompt, also the TTFT-alone probe's")
+    parser.add_argument("--max-new-tokens", type=int, help="new tokens per request and beam")
+    parser.add_argument("--itl-new-tokens", type=int, help="new tokens of the single greedy request")
+    parser.add_argument(
+        "--beam-widths", type=int, nargs="+", default=[1, 2, 4], help="in turn (default: 1 2 4)"
+    )
+    parser.add_argument(
+        "--prefix-share", type=float, default=0.5, help="share of prompts with a shared prefix"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument(
+        "--model", default="llama-156m", help="random model preset: llama-156m or llama-small"
+    )
+    parser.add_argument("--model-dir", help="checkpoint cache (default: ~/.cache/beamsplit/bench-models)")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="each server's KV pool (default: 2.0)"
+    )
+    parser.add_argument("--out-dir", help="where the PNGs go (default: bench/out)")
