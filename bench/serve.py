@@ -67,7 +67,7 @@ TTFT_REPEATS = report_rules.TTFT_REPEATS
 SYSTEM_INDEX = {"disaggregated": 0, "aggregated": 1}  # tells the fresh prompts of the probes apart
 # --quick and the full run; an explicit flag wins over either.
 FULL = {
-    "num_requests": 24,
+    "num_requests": 20,
     "rate": 0.25,
     "min_prompt_len": 128,
     "max_prompt_len": 4096,

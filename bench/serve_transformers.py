@@ -3,7 +3,8 @@
 `generate` runs one static batch at a time and its continuous batching (`generate_batch`) has no
 beam search, so the replay is: whenever the model is free, take the oldest request that has
 arrived, add the other arrived requests of the same beam width whose prompt length is within 2x
-of its length (oldest first) up to MAX_BATCH_ROWS rows (requests x beams), left-pad them and run
+of its length (oldest first) up to MAX_BATCH_ROWS rows (requests x beams) and MAX_BATCH_TOKENS
+rows x padded tokens, left-pad them and run
 one `generate(num_beams=W, num_return_sequences=W)`; requests arriving meanwhile wait. eos is
 off (`eos_token_id=None`), so every beam decodes `max_new_tokens`, as on our servers.
 
@@ -24,6 +25,9 @@ from typing import Any
 import torch
 
 MAX_BATCH_ROWS = 16
+# Rows x padded prompt tokens: bounds the prefill's attention scores (transformers' masked SDPA
+# path materializes them: [rows, heads, L, L]); 16384 at L = 4096 is 4 rows, about 4 GiB in float32.
+MAX_BATCH_TOKENS = 16384
 PAD_TOKEN_ID = 0
 
 
@@ -54,8 +58,9 @@ class TransformersSystem:
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "attention": str(self.model.config._attn_implementation),
-            "batching": f"static batches of one beam width, prompt lengths within 2x, up to "
-            f"{MAX_BATCH_ROWS} rows (requests x beams), left padding; oldest arrived request first",
+            "batching": f"static batches of one beam width, prompt lengths within 2x, up to {MAX_BATCH_ROWS} "
+            f"rows (requests x beams) and {MAX_BATCH_TOKENS} rows x padded tokens, left padding; oldest "
+            "arrived request first",
             "step_times": "a logits processor notes each decode step (generate cannot stream beams)",
             "kv_estimate": "rows x (padded prompt + max_new_tokens) x kv bytes per token, largest batch",
         }
@@ -142,15 +147,23 @@ class TransformersSystem:
         return [records[spec.index] for spec in specs]
 
 
-def pick_batch(waiting: Sequence[Any], max_rows: int = MAX_BATCH_ROWS) -> list[Any]:
-    """The oldest waiting request and, oldest first, others of its width and a similar length."""
+def pick_batch(
+    waiting: Sequence[Any], max_rows: int = MAX_BATCH_ROWS, max_tokens: int = MAX_BATCH_TOKENS
+) -> list[Any]:
+    """The oldest waiting request and, oldest first, others of its width and a similar length, while
+    rows x padded length stays within `max_tokens` (the oldest always goes, even alone above it)."""
     oldest = waiting[0]
     length = len(oldest.prompt_ids)
     max_requests = max(1, max_rows // oldest.beam_width)
     batch = [oldest]
+    padded_len = length
     for spec in waiting[1:]:
         if len(batch) >= max_requests:
             break
-        if spec.beam_width == oldest.beam_width and length / 2 <= len(spec.prompt_ids) <= 2 * length:
-            batch.append(spec)
+        if spec.beam_width != oldest.beam_width or not length / 2 <= len(spec.prompt_ids) <= 2 * length:
+            continue
+        if (len(batch) + 1) * spec.beam_width * max(padded_len, len(spec.prompt_ids)) > max_tokens:
+            continue
+        batch.append(spec)
+        padded_len = max(padded_len, len(spec.prompt_ids))
     return batch

@@ -169,6 +169,11 @@ def test_transformers_batches_one_width_and_similar_lengths(serve: Any) -> None:
     assert [chosen.index for chosen in reference.pick_batch(waiting)] == [0, 3, 4]
     assert [chosen.index for chosen in reference.pick_batch(waiting, max_rows=4)] == [0, 3]
     assert [chosen.index for chosen in reference.pick_batch(waiting[2:], max_rows=4)] == [2]
+    # 2 requests x 2 beams x 1999 padded tokens > 7000: the longest does not fit, 2 x 2 x 1000 does.
+    assert [chosen.index for chosen in reference.pick_batch(waiting, max_tokens=7000)] == [0, 4]
+    assert [chosen.index for chosen in reference.pick_batch(waiting, max_tokens=100)] == [
+        0
+    ]  # the oldest always goes
 
 
 def test_progress_bar_writes_tenths_when_not_a_terminal(serve: Any) -> None:
