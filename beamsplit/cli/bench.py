@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, description in BENCHMARKS:
         benchmark_parser = benchmarks.add_parser(name, help=description, description=description)
         # Same flags as the script's own command line; defined here so `--help` needs no import.
-        benchmark_parser.add_argument("--json", action="store_true", help="print only the JSON list")
+        benchmark_parser.add_argument("--json", action="store_true", help="print only the JSON on stdout")
         if name == "serve":
             add_serve_arguments(benchmark_parser)
         elif name == "soak":
@@ -68,12 +68,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a tiny run: 6 requests, prompts of 32-256 tokens, 8 new tokens"
     )
-    parser.add_argument("--num-requests", type=int, help="requests in the workload")
-    parser.add_argument("--rate", type=float, help="Poisson arrivals per second")
-    parser.add_argument("--min-prompt-len", type=int, help="shortest prompt, tokens")
-    parser.add_argument("--max-prompt-len", type=int, help="longest prompt, also the TTFT-alone probe's")
-    parser.add_argument("--max-new-tokens", type=int, help="new tokens per request and beam")
-    parser.add_argument("--itl-new-tokens", type=int, help="new tokens of the single greedy request")
+    parser.add_argument("--num-requests", type=int, help="requests in the workload (default: 20; --quick: 6)")
+    parser.add_argument(
+        "--rate", type=float, help="Poisson arrivals per second (default: 0.25; --quick: 2.0)"
+    )
+    parser.add_argument(
+        "--min-prompt-len", type=int, help="shortest prompt, tokens (default: 128; --quick: 32)"
+    )
+    parser.add_argument(
+        "--max-prompt-len",
+        type=int,
+        help="longest prompt, also the TTFT-alone probe's (default: 4096; --quick: 256)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, help="new tokens per request and beam (default: 32; --quick: 8)"
+    )
+    parser.add_argument(
+        "--itl-new-tokens",
+        type=int,
+        help="new tokens of the single greedy request (default: 64; --quick: 16)",
+    )
     parser.add_argument(
         "--beam-widths", type=int, nargs="+", default=[1, 2, 4], help="in turn (default: 1 2 4)"
     )

@@ -200,3 +200,11 @@ def test_cli_registers_serve_with_its_flags(serve: Any) -> None:
     assert full == {**serve.FULL, "max_prompt_len": 512}
     with pytest.raises(ValueError, match="--model"):
         serve.resolve_settings(parser.parse_args(["bench", "serve", "--model", "gpt-9"]))
+
+
+def test_serve_help_states_the_defaults_the_script_uses(serve: Any) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_serve_arguments(parser)
+    help_by_flag = {action.dest: action.help or "" for action in parser._actions}
+    for key in serve.FULL:
+        assert f"(default: {serve.FULL[key]}; --quick: {serve.QUICK[key]})" in help_by_flag[key], key
