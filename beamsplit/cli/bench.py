@@ -100,6 +100,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-dir", help="checkpoint cache (default: ~/.cache/beamsplit/bench-models)")
     parser.add_argument(
-        "--kv-cache-gib", type=float, default=2.0, help="each server's KV pool (default: 2.0)"
+        "--kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="each server's KV pool bound; the pool is at most 2048 blocks (default: 1.0, which is 2048 "
+        "blocks of 512 KiB on llama-156m)",
     )
     parser.add_argument("--out-dir", help="where the PNGs go (default: bench/out)")
