@@ -16,6 +16,11 @@ BENCHMARKS = (
     ("transfer", "KV page pulls between two processes vs ucx_perftest and NIXL"),
     ("service", "disaggregated service vs aggregated server: bytes pulled and latency per beam width"),
     ("soak", "minutes of mixed traffic, a worker SIGKILLed and restarted every minute: lost, stranded, RSS"),
+    (
+        "serve",
+        "a replayed Poisson workload (beam widths 1/2/4) on a 156M random Llama: disaggregated, aggregated "
+        "and transformers generate; throughput, TTFT, inter-token latency, KV memory, goals",
+    ),
 )
 
 
@@ -46,10 +51,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, description in BENCHMARKS:
         benchmark_parser = benchmarks.add_parser(name, help=description, description=description)
         # Same flags as the script's own command line; defined here so `--help` needs no import.
-        benchmark_parser.add_argument("--json", action="store_true", help="print only the JSON list")
-        if name == "soak":
+        benchmark_parser.add_argument("--json", action="store_true", help="print only the JSON on stdout")
+        if name == "serve":
+            add_serve_arguments(benchmark_parser)
+        elif name == "soak":
             benchmark_parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs")
             benchmark_parser.add_argument("--concurrency", type=int, default=16, help="client threads")
         else:
             benchmark_parser.add_argument("--quick", action="store_true", help="fewer cases, smaller pools")
         benchmark_parser.set_defaults(handler=_runner(name))
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench serve`'s flags beyond --json (bench/serve.py uses this too). Unset sizes take the
+    full run's values, or --quick's; bench/serve.py holds both sets and prints them in its JSON."""
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny run: 6 requests, prompts of 32-256 tokens, 8 new tokens"
+    )
+    parser.add_argument("--num-requests", type=int, help="requests in the workload (default: 20; --quick: 6)")
+    parser.add_argument(
+        "--rate", type=float, help="Poisson arrivals per second (default: 0.25; --quick: 2.0)"
+    )
+    parser.add_argument(
+        "--min-prompt-len", type=int, help="shortest prompt, tokens (default: 128; --quick: 32)"
+    )
+    parser.add_argument(
+        "--max-prompt-len",
+        type=int,
+        help="longest prompt, also the TTFT-alone probe's (default: 4096; --quick: 256)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, help="new tokens per request and beam (default: 32; --quick: 8)"
+    )
+    parser.add_argument(
+        "--itl-new-tokens",
+        type=int,
+        help="new tokens of the single greedy request (default: 64; --quick: 16)",
+    )
+    parser.add_argument(
+        "--beam-widths", type=int, nargs="+", default=[1, 2, 4], help="in turn (default: 1 2 4)"
+    )
+    parser.add_argument(
+        "--prefix-share", type=float, default=0.5, help="share of prompts with a shared prefix"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument(
+        "--model", default="llama-156m", help="random model preset: llama-156m or llama-small"
+    )
+    parser.add_argument("--model-dir", help="checkpoint cache (default: ~/.cache/beamsplit/bench-models)")
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="each server's KV pool bound; the pool is at most 2048 blocks (default: 1.0, which is 2048 "
+        "blocks of 512 KiB on llama-156m)",
+    )
+    parser.add_argument("--out-dir", help="where the PNGs go (default: bench/out)")
