@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -369,15 +368,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(arguments: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise SystemExit(143)  # unwinds through the `finally` that stops the servers
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        report, status = run_benchmark(arguments)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # beamsplit/cli/bench.py turns SIGTERM into SystemExit: the `finally` stops the servers.
+    report, status = run_benchmark(arguments)
     print(json.dumps(report, indent=None if arguments.json else 1))
     for goal in report["goals"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[goal["met"]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
 from pathlib import Path
 from types import ModuleType
 
@@ -37,7 +38,16 @@ def _load(name: str) -> ModuleType:
 
 def _runner(name: str) -> object:
     def run(arguments: argparse.Namespace) -> int:
-        return int(_load(name).run(arguments))
+        # SIGTERM unwinds like Ctrl-C, through each benchmark's `finally` that stops its servers
+        # by pid; the default action would kill this process and orphan them.
+        def on_sigterm(signum: int, frame: object) -> None:
+            raise SystemExit(143)
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return int(_load(name).run(arguments))
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     return run
 
