@@ -1,6 +1,8 @@
-"""Reproduces the open transfer bug of docs/transfer.md ("Known limits"): after pullers die
-mid-transfer, a holder agent's UCX worker may stop receiving, so it serves no puller whose
-endpoint it must create fresh. Not a test: the hang comes once in about 20 rounds.
+"""Soak check for the fixed dead-receive bug of docs/transfer.md ("A killed peer must not stall
+the survivor"): pullers killed mid-transfer must never leave a holder unable to serve a puller whose
+endpoint it creates fresh. Not a test: before the fix the hang came once in about 20 to 30 rounds
+(a peer killed inside a UCX shared-memory FIFO write); `tests/fifo_saboteur.py` makes that happen
+every time and is the regression test.
 
     PYTHONPATH=. BEAMSPLIT_UCX_BINDING=ucxx python scripts/repro_dead_receive.py [ROUNDS] [KILLS]
 

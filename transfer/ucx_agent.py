@@ -122,6 +122,11 @@ class UcxTransferAgent(TransferAgent):
         """The UCX Python binding in use: "ucxx" or "ucp"."""
         return self._binding.name
 
+    @property
+    def worker_address(self) -> bytes:
+        """The UCX address of the agent's own worker (it sends a holder's pages; receive lane 0)."""
+        return self._binding.worker_address
+
     # ---- holder side -------------------------------------------------------------------------
     def register(self, name: str, region: MemoryRegion) -> None:
         self._regions.register(name, region)

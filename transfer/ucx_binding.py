@@ -31,6 +31,13 @@ Why these choices (measured on a 2-core host, 4 MiB messages; docs/transfer.md h
   (tests/integration/test_cross_host.py). Polling every interface costs nothing measurable here.
 - A caller that binds a specific address passes `net_devices` (UCX_NET_DEVICES): UCX's tcp
   transport otherwise listens on every interface of the host, loopback included.
+- No context uses UCX's shared-memory FIFO transports (posix, sysv, xpmem: `transport_list`).
+  A sender claims a FIFO slot in the receiver's shared memory, fills it, then marks it ready; the
+  receiver reads slots strictly in order. A peer killed between claim and mark (a puller killed
+  mid-pull, writing its acknowledgements into the holder's FIFO) left a slot that never became
+  ready, and the worker never received anything again: every fresh endpoint waited forever for
+  its wire-up reply. Small messages go over tcp instead (a killed sender leaves an end of
+  stream), page data still over cma; docs/transfer.md has the evidence and the cost.
 """
 
 from __future__ import annotations
@@ -51,8 +58,42 @@ _MAX_PROGRESS_ROUNDS = 256
 UCX_CONFIG: Mapping[str, str] = MappingProxyType({"PROTO_INDIRECT_ID": "on", "ADAPTIVE_PROGRESS": "n"})
 
 
-def context_config(net_devices: str | None) -> dict[str, str]:
+TRANSPORTS_ENV = "UCX_TLS"
+# The mm family: transports that carry messages through a FIFO in the receiver's shared memory.
+_FIFO_TRANSPORTS = ("posix", "sysv", "xpmem")
+_FIFO_ALIASES = ("mm",)
+_SHARED_MEMORY_ALIASES = ("sm", "shm")  # mm plus the zero-copy ones (cma, knem): kept as cma
+
+
+def transport_list(requested: str | None) -> str:
+    """UCX_TLS for our contexts: `requested` (the environment's UCX_TLS, None if unset) without
+    the shared-memory FIFO transports. Unset or "all": every transport but those; a negative list
+    ("^ib"): those added to it; a positive list: those removed, "sm"/"shm" kept as "cma"."""
+    names = [name.strip() for name in (requested or "").split(",") if name.strip()]
+    if not names or names == ["all"]:
+        return "^" + ",".join(_FIFO_TRANSPORTS)
+    if names[0].startswith("^"):
+        excluded = [names[0][1:], *names[1:]]
+        return "^" + ",".join(dict.fromkeys([*excluded, *_FIFO_TRANSPORTS]))
+    kept: list[str] = []
+    for name in names:
+        if name in _SHARED_MEMORY_ALIASES:
+            kept.append("cma")
+        elif name == "all":
+            return "^" + ",".join(_FIFO_TRANSPORTS)
+        elif name not in _FIFO_TRANSPORTS + _FIFO_ALIASES:
+            kept.append(name)
+    if not kept:
+        raise ValueError(
+            f"{TRANSPORTS_ENV}={requested!r} leaves no transport once the shared-memory FIFO "
+            f"transports ({', '.join(_FIFO_TRANSPORTS)}) are removed; name e.g. tcp,cma,self"
+        )
+    return ",".join(dict.fromkeys(kept))
+
+
+def context_config(net_devices: str | None, requested_transports: str | None) -> dict[str, str]:
     config = dict(UCX_CONFIG)
+    config["TLS"] = transport_list(requested_transports)
     if net_devices:
         config["NET_DEVICES"] = net_devices
     return config
@@ -109,14 +150,15 @@ class UcxBinding(ABC):
 class UcxxBinding(UcxBinding):
     name = "ucxx"
 
-    def __init__(self, net_devices: str | None = None) -> None:
+    def __init__(self, net_devices: str | None = None, requested_transports: str | None = None) -> None:
         from ucxx._lib import libucxx
         from ucxx._lib.arr import Array
 
         self._api = libucxx
         self._array = Array
         self._context = libucxx.UCXContext(
-            config_dict=context_config(net_devices), feature_flags=(libucxx.Feature.TAG,)
+            config_dict=context_config(net_devices, requested_transports),
+            feature_flags=(libucxx.Feature.TAG,),
         )
         self._worker = libucxx.UCXWorker(self._context)
         self.worker_address = bytes(self._worker.address.tobytes())
@@ -166,14 +208,15 @@ class UcpBinding(UcxBinding):
 
     name = "ucp"
 
-    def __init__(self, net_devices: str | None = None) -> None:
+    def __init__(self, net_devices: str | None = None, requested_transports: str | None = None) -> None:
         from ucp._libs import ucx_api
         from ucp._libs.arr import Array
 
         self._api = ucx_api
         self._array = Array
         self._context = ucx_api.UCXContext(
-            config_dict=context_config(net_devices), feature_flags=(ucx_api.Feature.TAG,)
+            config_dict=context_config(net_devices, requested_transports),
+            feature_flags=(ucx_api.Feature.TAG,),
         )
         self._worker = ucx_api.UCXWorker(self._context)
         self.worker_address = bytes(memoryview(self._worker.get_address()))
@@ -309,7 +352,9 @@ def installed_bindings() -> list[str]:
 def load_binding(preferred: str | None = None, net_devices: str | None = None) -> UcxBinding:
     """The named binding; unnamed, the one BEAMSPLIT_UCX_BINDING names, else ucxx if installed,
     else ucp. `net_devices` limits UCX's network interfaces (UCX_NET_DEVICES syntax, e.g. "eth0" or
-    "lo"), None leaves UCX's choice."""
+    "lo"), None leaves UCX's choice. UCX_TLS from the environment is honoured less the
+    shared-memory FIFO transports (`transport_list`)."""
+    requested_transports = os.environ.get(TRANSPORTS_ENV)
     preferred = preferred or os.environ.get(BINDING_ENV) or None
     if preferred is not None and preferred not in BINDING_NAMES:
         raise ValueError(
@@ -318,9 +363,9 @@ def load_binding(preferred: str | None = None, net_devices: str | None = None) -
     names = [preferred] if preferred else list(BINDING_NAMES)
     for name in names:
         if name == "ucxx" and importlib.util.find_spec("ucxx") is not None:
-            return UcxxBinding(net_devices)
+            return UcxxBinding(net_devices, requested_transports)
         if name == "ucp" and importlib.util.find_spec("ucp") is not None:
-            return UcpBinding(net_devices)
+            return UcpBinding(net_devices, requested_transports)
     raise RuntimeError(
         f"no UCX Python binding found (tried {', '.join(names)}): install ucxx-cu12"
         + (f", or unset {BINDING_ENV}" if os.environ.get(BINDING_ENV) else "")
