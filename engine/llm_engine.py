@@ -97,7 +97,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
         self._reservations: dict[str, _Reservation] = {}  # generation side: awaiting their pull
-        self._ready_outputs: list[RequestOutput] = []  # finished outside step(), sent by the next one
+        self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
         self._request_counter = itertools.count()
 
     # -- aggregated --------------------------------------------------------------------------
@@ -110,8 +110,13 @@ class LLMEngine:
         self.scheduler.add_waiting(request)
 
     def step(self) -> list[RequestOutput]:
-        """Admit, grow, run one forward pass over the batch, advance every decoder in it."""
+        """Admit, grow, run one forward pass over the batch, advance every decoder in it.
+
+        Outputs decided outside step() (a pulled request's first token) are returned first, alone,
+        without a forward pass: the caller sends them and steps again."""
         outputs, self._ready_outputs = self._ready_outputs, []
+        if outputs:
+            return outputs
         batch = self.scheduler.schedule(blocks_held_elsewhere=bool(self._prefilled or self._reservations))
         outputs.extend(self._finish(request) for request in batch.failed)
         seqs = [
@@ -339,8 +344,11 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add_running(request)
         request.record_step(first_step)
-        if request.decoder.is_done:
-            self._ready_outputs.append(self._finish(request))
+        # The first token leaves before the next forward pass, not with its result: a pulled
+        # request's TTFT is the prefill plus the pull, as an aggregated one's is its prefill.
+        self._ready_outputs.append(
+            self._finish(request) if request.decoder.is_done else self._progress(request)
+        )
 
     # -- pool --------------------------------------------------------------------------------
     def kv_region(self) -> KVRegion:
