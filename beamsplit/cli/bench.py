@@ -16,6 +16,10 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 BENCHMARKS = (
     ("transfer", "KV page pulls between two processes vs ucx_perftest and NIXL"),
     ("service", "disaggregated service vs aggregated server: bytes pulled and latency per beam width"),
+    (
+        "invariance",
+        "the engine with and without batch-invariant kernels, side by side: prefill and decode step time",
+    ),
     ("soak", "minutes of mixed traffic, a worker SIGKILLed and restarted every minute: lost, stranded, RSS"),
     (
         "serve",
@@ -69,6 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             benchmark_parser.add_argument("--concurrency", type=int, default=16, help="client threads")
         else:
             benchmark_parser.add_argument("--quick", action="store_true", help="fewer cases, smaller pools")
+            if name == "invariance":
+                benchmark_parser.add_argument("--repeats", type=int, default=3, help="runs per setting")
         benchmark_parser.set_defaults(handler=_runner(name))
 
 
