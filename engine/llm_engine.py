@@ -380,9 +380,9 @@ class LLMEngine:
 
     def _commit_prompt(self, request: Request) -> None:
         """Publish the whole prompt (its KV is all written) with the snapshots its chunks stored."""
-        snapshot_lens = (
-            [num_tokens for num_tokens, _ in self._prompt_snapshots(request)] if self.state_pool else []
-        )
+        snapshot_lens: list[int] = []
+        if self.state_pool is not None:
+            snapshot_lens = [num_tokens for num_tokens, _ in self._prompt_snapshots(request)]
         table = request.tables[0]
         self._copy_snapshots(self.kv_cache.commit(table, request.prompt_ids, request.salt, snapshot_lens))
 
