@@ -1,5 +1,10 @@
 """The context worker's logic, free of gRPC: prefill once, hold the prompt's pages under a lease.
 
+A prefill goes through the engine's batch (`LLMEngine.add_prefill`): prompts that arrive together
+run in the same forward passes, and a long prompt runs in chunks under the token budget, so it
+does not hold up the short ones behind it. The handler waits, bounded by the engine timeout, for
+the finished output that carries the PrefillResult.
+
 A hold starts when `prefill` returns and ends exactly once, whichever comes first:
 - the transfer agent reports the offer ended (pulled: DONE, revoked, lease lapsed, failed),
 - the generation side (or the coordinator) calls `release`,
@@ -13,6 +18,7 @@ tree, unreferenced, for the next prompt that shares them.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +28,7 @@ from typing import Any
 import grpc
 
 from beamsplit.server.admission_queue import AdmissionLimits, AdmissionQueue
-from beamsplit.server.engine_loop import EngineLoop, EngineLoopError
+from beamsplit.server.engine_loop import EngineLoop, EngineLoopError, OutputStream, RequestDroppedError
 from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.wire import ServiceError
@@ -110,31 +116,40 @@ class ContextService:
         lease_s = lease_s if lease_s > 0 else self._default_lease_s
         engine_request_id = f"{request_id}#{attempt}"
         started = time.perf_counter()
+
+        def add_prefill(engine: Any) -> None:
+            if self._prefill_delay_s:
+                time.sleep(self._prefill_delay_s)  # on the engine thread: later prefills queue
+            # Allocates now: a full pool raises here (OutOfBlocksError), holding nothing.
+            engine.add_prefill(engine_request_id, prompt_ids, num_candidates, salt=salt)
+
+        stream = self._loop.open_stream(engine_request_id)
         try:
 
-            def run_prefill(engine: Any) -> Any:
-                if self._prefill_delay_s:
-                    time.sleep(self._prefill_delay_s)  # on the engine thread: later prefills queue
-                return engine.prefill(engine_request_id, prompt_ids, num_candidates, salt=salt)
-
-            def try_prefill() -> Any:
+            def try_add() -> bool | None:
                 try:
-                    return self._loop.call(run_prefill, timeout_s=self._engine_timeout_s)
+                    self._loop.call(add_prefill, timeout_s=self._engine_timeout_s)
                 except PoolTooSmallError:
                     raise
                 except OutOfBlocksError:
                     return None  # not now: wait in the queue for a hold to end
+                return True
 
             def stop_reason() -> ServiceError | None:
                 if is_caller_gone():
                     return ServiceError(grpc.StatusCode.CANCELLED, "context worker: caller gone while queued")
                 return None
 
-            result = self.admission.admit(try_prefill, stop_reason)
-        except EngineLoopError:
-            # The prefill may still run after the bound: unpin whatever it pins (queued after it).
-            self._release_pages(engine_request_id)
+            self.admission.admit(try_add, stop_reason)
+            # The engine bound starts once the prompt is in the batch (the queue has its own).
+            result = self._wait_for_prefill(stream, time.monotonic() + self._engine_timeout_s)
+        except (EngineLoopError, RequestDroppedError):
+            # The prefill may still be queued, part-way or done after the bound: drop it and
+            # unpin whatever it pinned (the abort runs after it on the engine thread).
+            self._abort_prefill(engine_request_id)
             raise
+        finally:
+            self._loop.close_stream(engine_request_id)
         prefill_s = time.perf_counter() - started
         self._metrics.prefill_latency.observe(prefill_s)
         # The lock spans offer and record so that an on_done from the agent's timer (which takes
@@ -232,6 +247,29 @@ class ContextService:
             hold = self._holds.pop(transfer_id, None)
             self._metrics.set_transfers_in_flight(len(self._holds))
             return hold
+
+    def _wait_for_prefill(self, stream: OutputStream, deadline: float) -> Any:
+        """The PrefillResult of the finished output on `stream`, waited for until `deadline`."""
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise EngineLoopError(
+                    f"engine did not finish the prefill within {self._engine_timeout_s:.1f} s"
+                )
+            try:
+                output = stream.get(timeout_s=min(remaining_s, 1.0))
+            except queue.Empty:
+                continue
+            if output is None:
+                raise EngineLoopError("engine step failed")
+            if output.error is not None:
+                raise RequestDroppedError(output.error)
+            if output.finished and output.prefill is not None:
+                return output.prefill
+
+    def _abort_prefill(self, engine_request_id: str) -> None:
+        future = self._loop.submit(lambda engine: engine.abort(engine_request_id))
+        future.add_done_callback(lambda done: _log_failure(done, f"abort {engine_request_id}"))
 
     def _release_pages(self, engine_request_id: str) -> None:
         future = self._loop.submit(lambda engine: engine.release_prefill(engine_request_id))

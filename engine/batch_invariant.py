@@ -8,9 +8,13 @@ on this build (torch 2.13, MKL 2024.2): a row alone (gemv) differs from the same
 more; a fixed-shape matmul gives the same bits for a row at any position with any neighbours, and
 a batched matmul of fixed-shape items gives every item the same bits whatever the item count.
 
-So every matmul here has a shape that depends on nothing but constants:
-- `invariant_linear`: rows padded to a multiple of ROW_CHUNK and run as a batched matmul of
-  [ROW_CHUNK, in] x [in, out] items.
+So every matmul here has a shape that depends on nothing but the token's role and its own request:
+- `invariant_linear`: rows run as a batched matmul of fixed-shape [rows, in] x [in, out] items.
+  Prompt tokens (and a prompt's last row at the LM head) go PROMPT_ROW_CHUNK to an item, in any
+  grouping; a decoding request's W beams are one item of W rows, so a greedy request's row is a
+  matrix-vector product as in transformers, and a big decode batch is not padded. The grouping
+  of the forward pass in flight is a `RowLayout` that ModelRunner sets (`row_layout`); without
+  one, rows go ROW_CHUNK to an item.
 - `invariant_attention`: keys and values are read page by page (T keys per item). Queries come
   in units: a decode token alone (G rows per kv head), prompt tokens PROMPT_UNIT tokens at a time
   (G * PROMPT_UNIT rows). A token's role, not the batch, decides its unit size, so a prompt token
@@ -31,7 +35,9 @@ per page, H query heads, Hkv kv heads, G = H / Hkv, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -39,21 +45,112 @@ from torch import nn
 
 from engine.kv_pool import KEY, VALUE
 
-ROW_CHUNK = 16  # rows per matmul item in invariant_linear
+ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is set
+PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
 PROMPT_UNIT = 32  # prompt tokens per attention query unit
 MAX_PROMPT_ITEMS = 1024  # (unit, page) items per attention slice: bounds the scores' memory
 MAX_DECODE_ITEMS = 16384
 
 
-def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """hidden [M, in] -> [M, out], each row computed as one row of a [ROW_CHUNK, in] matmul."""
-    num_rows, in_features = hidden.shape
+@dataclass(frozen=True)
+class RowGroups:
+    """How the rows of one [M, features] tensor are cut into fixed-shape matmul items."""
+
+    num_rows: int
+    # (rows per item, row indices [items * rows per item]; padding points at row num_rows)
+    items: tuple[tuple[int, torch.Tensor], ...]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A forward pass's rows: `tokens` for [N, E] tensors, `sequences` for the LM head's [B, E]
+    (when N == B every sequence has one row and the two groupings coincide)."""
+
+    tokens: RowGroups
+    sequences: RowGroups
+
+    def groups_for(self, num_rows: int) -> RowGroups:
+        if num_rows == self.tokens.num_rows:
+            return self.tokens
+        if num_rows == self.sequences.num_rows:
+            return self.sequences
+        raise ValueError(f"{num_rows} rows match neither the batch's tokens nor its sequences")
+
+
+_ROW_LAYOUT: ContextVar[RowLayout | None] = ContextVar("beamsplit_row_layout", default=None)
+
+
+@contextmanager
+def row_layout(layout: RowLayout) -> Iterator[None]:
+    """Linear layers called inside group their rows by `layout`."""
+    token = _ROW_LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _ROW_LAYOUT.reset(token)
+
+
+def make_row_layout(
+    num_new_tokens: Sequence[int], beam_group_sizes: Sequence[int], device: torch.device | str
+) -> RowLayout:
+    """num_new_tokens: per sequence, in batch order, its rows; beam_group_sizes: per sequence 0 for
+    prompt tokens, else the size W of its request's decode group (W consecutive one-row sequences)."""
+    token_prompt_rows: list[int] = []
+    sequence_prompt_rows: list[int] = []
+    decode_groups: list[tuple[int, int]] = []  # (first sequence, W)
+    token_row = 0
+    starts = []
+    for index, (count, group_size) in enumerate(zip(num_new_tokens, beam_group_sizes, strict=True)):
+        starts.append(token_row)
+        if group_size == 0:
+            token_prompt_rows.extend(range(token_row, token_row + count))
+            sequence_prompt_rows.append(index)
+        elif not decode_groups or index >= decode_groups[-1][0] + decode_groups[-1][1]:
+            decode_groups.append((index, group_size))
+        token_row += count
+    token_decode = [[starts[first + beam] for beam in range(size)] for first, size in decode_groups]
+    sequence_decode = [list(range(first, first + size)) for first, size in decode_groups]
+    return RowLayout(
+        tokens=_row_groups(token_row, token_prompt_rows, token_decode, device),
+        sequences=_row_groups(len(num_new_tokens), sequence_prompt_rows, sequence_decode, device),
+    )
+
+
+def _row_groups(
+    num_rows: int, prompt_rows: list[int], decode_items: list[list[int]], device: torch.device | str
+) -> RowGroups:
+    by_size: dict[int, list[int]] = {}
+    for first in range(0, len(prompt_rows), PROMPT_ROW_CHUNK):
+        chunk = prompt_rows[first : first + PROMPT_ROW_CHUNK]
+        by_size.setdefault(PROMPT_ROW_CHUNK, []).extend(chunk + [num_rows] * (PROMPT_ROW_CHUNK - len(chunk)))
+    for rows in decode_items:
+        by_size.setdefault(len(rows), []).extend(rows)
+    items = tuple(
+        (size, torch.tensor(indices, dtype=torch.long, device=device))
+        for size, indices in sorted(by_size.items())
+    )
+    return RowGroups(num_rows, items)
+
+
+def _default_groups(num_rows: int, device: torch.device) -> RowGroups:
     num_chunks = -(-num_rows // ROW_CHUNK)
-    padded = hidden.new_zeros((num_chunks * ROW_CHUNK, in_features))
-    padded[:num_rows] = hidden
-    items = padded.view(num_chunks, ROW_CHUNK, in_features)
-    output = torch.bmm(items, weight.t().expand(num_chunks, -1, -1))  # [chunks, ROW_CHUNK, out]
-    output = output.view(num_chunks * ROW_CHUNK, -1)[:num_rows]
+    indices = list(range(num_rows)) + [num_rows] * (num_chunks * ROW_CHUNK - num_rows)
+    return RowGroups(num_rows, ((ROW_CHUNK, torch.tensor(indices, dtype=torch.long, device=device)),))
+
+
+def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """hidden [M, in] -> [M, out], each row computed inside a fixed-shape item (see RowLayout)."""
+    num_rows, in_features = hidden.shape
+    layout = _ROW_LAYOUT.get()
+    groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)
+    padded = torch.cat((hidden, hidden.new_zeros((1, in_features))))  # row M: padding
+    output = hidden.new_empty((num_rows + 1, weight.shape[0]))
+    for rows_per_item, indices in groups.items:
+        num_items = indices.numel() // rows_per_item
+        items = padded[indices].view(num_items, rows_per_item, in_features)
+        result = torch.bmm(items, weight.t().expand(num_items, -1, -1))  # [items, rows, out]
+        output[indices] = result.view(num_items * rows_per_item, -1)
+    output = output[:num_rows]
     return output if bias is None else output + bias
 
 

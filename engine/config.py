@@ -52,14 +52,24 @@ class EngineConfig:
     max_num_seqs: int = 64
     seed: int = 0
     # A request's tokens and scores do not depend on what else is in the batch (fixed-shape
-    # kernels, engine/batch_invariant.py); costs throughput, see docs/engine.md.
-    batch_invariant: bool = True
+    # kernels, engine/batch_invariant.py). Off by default: it costs time (bench invariance),
+    # mostly in attention over long prompts; the demo and the parity tests turn it on.
+    batch_invariant: bool = False
+    # Tokens one forward pass may feed: one per decoding beam first, then prompt chunks in order
+    # (chunked prefill, docs/engine.md). At least max_num_seqs: the beams admitted next to a prompt
+    # still being prefilled always leave it some of the budget.
+    max_num_batched_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_batched_tokens}"
+            )
 
     @property
     def supports_beam_search(self) -> bool:

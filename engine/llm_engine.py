@@ -1,9 +1,12 @@
 """LLMEngine: the model, the paged KV cache and the continuous batch behind one object.
 
-Three ways in, one decoding loop (`step`):
-- aggregated: `add_request` -> prefill in the batch -> beams -> `step` until finished;
-- context side: `prefill` runs a prompt now, commits and pins its blocks, returns the first-step
-  candidates; `release_prefill` unpins;
+Three ways in, one loop (`step`, one forward pass under the token budget):
+- aggregated: `add_request` -> prefill in the batch, chunk by chunk -> beams -> `step` until
+  finished;
+- context side: `add_prefill` allocates a prompt now; `step` runs it in chunks next to other
+  prompts, then commits and pins its blocks and emits its first-step candidates
+  (`RequestOutput.prefill`); `prefill` does the same for one prompt, synchronously;
+  `release_prefill` unpins;
 - generation side: `reserve_prompt` allocates the prompt's blocks (sharing what this engine's
   tree holds), the caller pulls the missing pages into them, `add_prefilled_request` starts
   decoding from the shipped candidates.
@@ -37,14 +40,6 @@ from engine.state_pool import StatePool
 from engine.types import EngineCounters, KVRegion, PrefillResult, PromptReservation, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _PromptSlots:
-    """A context-side prompt in the shape `_prompt_input` reads (a Request has the same fields)."""
-
-    prompt_ids: list[int]
-    state_slot_ids: list[int]
 
 
 @dataclass
@@ -92,7 +87,12 @@ class LLMEngine:
             )
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, self.kv_pool.copy_blocks, self.state_pool, queue_limits
+            self.kv_cache,
+            config.max_num_seqs,
+            self.kv_pool.copy_blocks,
+            self.state_pool,
+            config.max_num_batched_tokens,
+            queue_limits,
         )
         self._requests: dict[str, Request] = {}
         self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
@@ -119,16 +119,21 @@ class LLMEngine:
             return outputs
         batch = self.scheduler.schedule(blocks_held_elsewhere=bool(self._prefilled or self._reservations))
         outputs.extend(self._finish(request) for request in batch.failed)
-        seqs = [
-            self._prompt_input(request.tables[0], request, request.num_cached_tokens)
-            for request in batch.prefills
-        ]
+        seqs = [self._chunk_input(chunk.request, chunk.num_tokens) for chunk in batch.prefills]
         for request in batch.decodes:
             assert request.pending is not None
             # Beam i feeds its pending token at the slot just grown: position num_tokens - 1.
             slot_ids: list[int | None] = list(request.state_slot_ids) or [None] * len(request.tables)
+            num_beams = len(request.tables)  # one matmul item in batch-invariant mode
             seqs.extend(
-                SequenceInput(table.block_ids, table.num_tokens - 1, [token_id], slot_id, is_decode=True)
+                SequenceInput(
+                    table.block_ids,
+                    table.num_tokens - 1,
+                    [token_id],
+                    slot_id,
+                    is_decode=True,
+                    num_beams=num_beams,
+                )
                 for table, token_id, slot_id in zip(
                     request.tables, request.pending.token_ids, slot_ids, strict=True
                 )
@@ -136,21 +141,34 @@ class LLMEngine:
         if not seqs:
             return outputs
         logprobs = self.runner.compute_logprobs(seqs)  # [B, V] float32
-        row = 0
-        for request, seq in zip(batch.prefills, seqs, strict=False):
-            self._commit(request.tables[0], request.prompt_ids, request.salt, seq)
+        started: list[Request] = []
+        for row, chunk in enumerate(batch.prefills):
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if not chunk.is_last:
+                continue  # the logits of a chunk's last token are not needed; more chunks follow
+            if request.is_prefill_only:
+                result = self._complete_prefill(request, logprobs[row])
+                outputs.append(
+                    RequestOutput(request.request_id, [], True, stats=request.stats(), prefill=result)
+                )
+                continue
+            self._commit_prompt(request)
             self._start_decoding(request, logprobs[row])
-            row += 1
+            started.append(request)
+        row = len(batch.prefills)
         for request in batch.decodes:
             num_beams = len(request.tables)
-            request.record_step(request.decoder.step(logprobs[row : row + num_beams]))
+            request.record_step(request.active_decoder.step(logprobs[row : row + num_beams]))
             row += num_beams
-        for request in batch.prefills + batch.decodes:
-            outputs.append(self._finish(request) if request.decoder.is_done else self._progress(request))
+        for request in started + batch.decodes:
+            is_done = request.active_decoder.is_done
+            outputs.append(self._finish(request) if is_done else self._progress(request))
         return outputs
 
     def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is (queued, running, pinned or reserved); frees its blocks."""
+        """Drop a request wherever it is (queued, running, part-way through its prefill, pinned or
+        reserved); frees its blocks."""
         request = self._requests.pop(request_id, None)
         if request is not None:
             self.scheduler.remove(request)
@@ -169,52 +187,50 @@ class LLMEngine:
                 if output.request_id == request_id and output.finished:
                     return output
 
-    # -- context side ------------------------------------------------------------------------
-    def prefill(
+    # -- context side ---------------------------------------------------------------------------
+    def add_prefill(
         self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
-    ) -> PrefillResult:
-        """Prefill now with one beam; the prompt's blocks stay pinned until release_prefill.
+    ) -> None:
+        """Queue a prefill with one beam; the prompt's blocks are allocated now.
 
-        num_candidates <= 0 returns the whole vocabulary. Raises OutOfBlocksError (nothing held)
-        when the pool cannot take the prompt now, PoolTooSmallError when it never can.
+        Following `step`s run the prompt in chunks next to the batch's other work; the step that
+        runs its last chunk commits it, pins its blocks until `release_prefill`, and returns a
+        finished RequestOutput whose `prefill` holds the PrefillResult. num_candidates <= 0 asks
+        for the whole vocabulary. Raises OutOfBlocksError (nothing held) when the pool cannot take
+        the prompt now, PoolTooSmallError when it never can; `abort` drops it at any point and
+        frees its blocks.
         """
         self._check_prompt(prompt_ids, 0)
-        if request_id in self._prefilled:
-            raise ValueError(f"request_id {request_id!r} is already prefilled")
+        if request_id in self._prefilled or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         num_prompt_blocks = -(-len(prompt_ids) // self.cache_config.tokens_per_block)
         if num_prompt_blocks > self.kv_cache.allocator.num_blocks:
             raise PoolTooSmallError(
                 f"request {request_id!r} needs {num_prompt_blocks} blocks for its prompt, more than the "
                 f"pool's {self.kv_cache.allocator.num_blocks} in all"
             )
-        # A slot for the prompt's state during the pass; its final value leaves in the result.
-        slot_ids = self.state_pool.allocate_slots(1) if self.state_pool is not None else []
+        request = Request(request_id, list(prompt_ids), SamplingParams(), None, salt)
+        request.prefill_num_candidates = num_candidates
+        self.scheduler.add_prefill_only(request)
+        self._requests[request_id] = request
+
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
+    ) -> PrefillResult:
+        """`add_prefill` run to its end now, alone: chunks under the token budget, no other
+        request advances. Raises OutOfBlocksError (nothing held) when the pool cannot take it."""
+        self.add_prefill(request_id, prompt_ids, num_candidates, salt)
+        request = self._requests[request_id]
         try:
-            allocation = self.kv_cache.allocate_prompt(prompt_ids, salt)
-        except OutOfBlocksError:
-            self._free_slots(slot_ids)
-            raise
-        self.kv_pool.copy_blocks(allocation.copies)
-        table, num_cached = allocation.table, allocation.num_cached_tokens
-        try:
-            if self.state_pool is not None:
-                self.state_pool.reset(slot_ids[0], allocation.snapshot_block_id)
-            seq = self._prompt_input(table, _PromptSlots(prompt_ids, slot_ids), num_cached)
-            logprobs = self.runner.compute_logprobs([seq])
-            self._commit(table, prompt_ids, salt, seq)
-            state = self.state_pool.read(slot_ids[0]) if self.state_pool is not None else b""
+            while True:
+                num_tokens = min(request.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+                logprobs = self.runner.compute_logprobs([self._chunk_input(request, num_tokens)])
+                request.num_computed_tokens += num_tokens
+                if request.num_uncomputed_tokens == 0:
+                    return self._complete_prefill(request, logprobs[0])
         except BaseException:
-            self.kv_cache.free(table)
+            self.abort(request_id)
             raise
-        finally:
-            self._free_slots(slot_ids)
-        self._prefilled[request_id] = table
-        candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs[0], num_candidates)
-        return PrefillResult(
-            request_id, list(table.block_ids), len(prompt_ids), candidate_ids, candidate_logprobs, num_cached,
-            recurrent_state=state,
-            num_tokens_before_hybrid_pruning=allocation.num_tokens_before_hybrid_pruning,
-        )  # fmt: skip
 
     def release_prefill(self, request_id: str) -> None:
         """Unpin a prefilled prompt (unknown or already released ids are ignored)."""
@@ -312,7 +328,7 @@ class LLMEngine:
         request = self._make_request(request_id, prompt_ids, params, held.salt)
         # The decoder checks the candidates before anything else changes: a refusal leaves the
         # reservation as it was.
-        first_step = request.decoder.start(list(candidate_ids), list(candidate_logprobs))
+        first_step = request.active_decoder.start(list(candidate_ids), list(candidate_logprobs))
         if self.state_pool is not None:
             if len(recurrent_state) != self.state_pool.state_bytes:
                 raise ValueError(
@@ -347,7 +363,7 @@ class LLMEngine:
         # The first token leaves before the next forward pass, not with its result: a pulled
         # request's TTFT is the prefill plus the pull, as an aggregated one's is its prefill.
         self._ready_outputs.append(
-            self._finish(request) if request.decoder.is_done else self._progress(request)
+            self._finish(request) if request.active_decoder.is_done else self._progress(request)
         )
 
     # -- pool --------------------------------------------------------------------------------
@@ -385,20 +401,59 @@ class LLMEngine:
             )
             self.state_pool.check_integrity(slot_ids)
 
-    # -- recurrent state ---------------------------------------------------------------------
-    def _prompt_input(
-        self, table: BlockTable, request: Request | _PromptSlots, num_cached: int
-    ) -> SequenceInput:
-        """The prompt's uncached tokens; a hybrid model stores snapshots at the block ends."""
-        new_ids = request.prompt_ids[num_cached:]
-        if self.state_pool is None:
-            return SequenceInput(table.block_ids, num_cached, new_ids)
-        snapshots = self.kv_cache.prompt_snapshots(table, num_cached, len(request.prompt_ids))
-        return SequenceInput(table.block_ids, num_cached, new_ids, request.state_slot_ids[0], snapshots)
+    # -- prompts and recurrent state -----------------------------------------------------------
+    def _chunk_input(self, request: Request, num_tokens: int) -> SequenceInput:
+        """The prompt's next chunk: tokens [num_computed_tokens, + num_tokens).
 
-    def _commit(self, table: BlockTable, prompt_ids: list[int], salt: bytes, seq: SequenceInput) -> None:
-        snapshot_lens = [num_tokens for num_tokens, _ in seq.snapshots]
-        self._copy_snapshots(self.kv_cache.commit(table, prompt_ids, salt, snapshot_lens))
+        A hybrid model carries the state in the request's slot from chunk to chunk and stores a
+        snapshot at each block end the chunk computes (so chunks give the snapshots a whole pass
+        would).
+        """
+        table, start = request.tables[0], request.num_computed_tokens
+        end = start + num_tokens
+        new_ids = request.prompt_ids[start:end]
+        if self.state_pool is None:
+            return SequenceInput(table.block_ids, start, new_ids)
+        snapshots = [
+            (position, block_id)
+            for position, block_id in self._prompt_snapshots(request)
+            if start < position <= end
+        ]
+        return SequenceInput(table.block_ids, start, new_ids, request.state_slot_ids[0], snapshots)
+
+    def _prompt_snapshots(self, request: Request) -> list[tuple[int, int]]:
+        """(num_tokens, block_id) of every snapshot the prefill of the uncached tokens stores."""
+        return self.kv_cache.prompt_snapshots(
+            request.tables[0], request.num_cached_tokens, request.prompt_len
+        )
+
+    def _commit_prompt(self, request: Request) -> None:
+        """Publish the whole prompt (its KV is all written) with the snapshots its chunks stored."""
+        snapshot_lens: list[int] = []
+        if self.state_pool is not None:
+            snapshot_lens = [num_tokens for num_tokens, _ in self._prompt_snapshots(request)]
+        table = request.tables[0]
+        self._copy_snapshots(self.kv_cache.commit(table, request.prompt_ids, request.salt, snapshot_lens))
+
+    def _complete_prefill(self, request: Request, logprobs: torch.Tensor) -> PrefillResult:
+        """A prefill-only request's last chunk ran: commit and pin its table, return its candidates.
+
+        logprobs: [V] of the last prompt position."""
+        assert request.prefill_num_candidates is not None
+        self._commit_prompt(request)
+        state = self.state_pool.read(request.state_slot_ids[0]) if self.state_pool is not None else b""
+        table = request.tables[0]
+        request.tables = []  # handed over to the pins: remove() frees only the state slot
+        self._requests.pop(request.request_id, None)
+        self.scheduler.remove(request)
+        self._prefilled[request.request_id] = table
+        candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.prefill_num_candidates)
+        return PrefillResult(
+            request.request_id, list(table.block_ids), request.prompt_len, candidate_ids, candidate_logprobs,
+            request.num_cached_tokens,
+            recurrent_state=state,
+            num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
+        )  # fmt: skip
 
     def _copy_snapshots(self, copies: list[CopyOp]) -> None:
         for copy in copies:
@@ -428,7 +483,7 @@ class LLMEngine:
         """logprobs: [V] of the last prompt position; the same candidates a context worker ships."""
         candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.params.num_candidates)
         request.state = RequestState.DECODING
-        request.record_step(request.decoder.start(candidate_ids, candidate_logprobs))
+        request.record_step(request.active_decoder.start(candidate_ids, candidate_logprobs))
 
     def _progress(self, request: Request) -> RequestOutput:
         deltas, parents = request.take_deltas()
@@ -441,7 +496,9 @@ class LLMEngine:
             return RequestOutput(request.request_id, [], True, stats=request.stats(), error=request.error)
         # The last step's running beams are not the answer: the final output carries whole beams.
         request.take_deltas()
-        return RequestOutput(request.request_id, [], True, request.decoder.final_beams(), request.stats())
+        return RequestOutput(
+            request.request_id, [], True, request.active_decoder.final_beams(), request.stats()
+        )
 
     def _check_new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

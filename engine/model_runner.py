@@ -12,12 +12,14 @@ Dimensions: B sequences, N new tokens in the batch, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionMetadata, prepare_attention
+from engine.batch_invariant import make_row_layout, row_layout
 from engine.kv_pool import KVPool
 from engine.lfm2_model import Lfm2Model
 from engine.loader import Model
@@ -37,6 +39,8 @@ class SequenceInput:
     # A decode step (one generated token) rather than prompt tokens: in batch-invariant mode the
     # role picks the attention kernel's shape (engine/batch_invariant.py).
     is_decode: bool = False
+    # Decode steps only: the request's beam count W (its W sequences sit together in the batch).
+    num_beams: int = 1
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,20 @@ class ModelRunner:
         on the CPU."""
         batch = self.prepare_batch(seqs)
         positions = batch.metadata.positions
-        if isinstance(self.model, Lfm2Model):
-            logits = self.model(
-                batch.input_ids, positions, self.kv_pool, batch.metadata, self.state_pool, batch.recurrent
-            )  # [B, V]
-        else:
-            logits = self.model(batch.input_ids, positions, self.kv_pool, batch.metadata)  # [B, V]
+        layout: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.batch_invariant:
+            layout = row_layout(
+                make_row_layout(
+                    [len(seq.token_ids) for seq in seqs],
+                    [seq.num_beams if seq.is_decode else 0 for seq in seqs],
+                    self.device,
+                )
+            )
+        with layout:
+            if isinstance(self.model, Lfm2Model):
+                logits = self.model(
+                    batch.input_ids, positions, self.kv_pool, batch.metadata, self.state_pool, batch.recurrent
+                )  # [B, V]
+            else:
+                logits = self.model(batch.input_ids, positions, self.kv_pool, batch.metadata)  # [B, V]
         return torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()

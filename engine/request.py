@@ -2,11 +2,14 @@
 
 Lifecycle (states):
 
-    WAITING --admit: prompt blocks allocated--> PREFILLING --forward of the prompt-->
-    DECODING (pending step decided, tables not yet grown) <--> (tables grown, in the batch)
-    --decoder done / abort / error--> FINISHED (every block freed)
+    WAITING --admit: prompt blocks allocated--> PREFILLING --forward of the prompt's chunks,
+    one per step (num_computed_tokens grows)--> DECODING (pending step decided, tables not yet
+    grown) <--> (tables grown, in the batch) --decoder done / abort / error--> FINISHED (every
+    block freed)
 
-A request added with its prompt already in the pool (generation side) starts in DECODING.
+A request added with its prompt already in the pool (generation side) starts in DECODING. A
+prefill-only request (context side, `prefill_num_candidates` set, no decoder) leaves PREFILLING
+for FINISHED after its last chunk: its prompt table is handed over, pinned, to the engine.
 `pending` is the decoder's last decision (which parent each running beam continues, with which
 token); the scheduler applies it to the block tables before the next forward, all or nothing,
 so a request that cannot grow simply waits with its state untouched.
@@ -60,13 +63,19 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    decoder: Decoder
+    decoder: Decoder | None  # None for a prefill-only request, which never decodes
     salt: bytes = b""
     state: RequestState = RequestState.WAITING
     # Before the first step: the prompt's table. After: one table per running beam, in the
     # decoder's running order, each holding the KV of every token fed so far.
     tables: list[BlockTable] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV was there before prefill
+    # Prompt tokens whose KV is in the pool: the cached ones, then each chunk run so far.
+    #   0 ...... num_cached_tokens ...... num_computed_tokens ...... prompt_len
+    #   [ reused ][ computed in earlier chunks ][ still to run (next chunks) ]
+    num_computed_tokens: int = 0
+    # Context side: prefill only, then return this many first-step candidates (<= 0: all).
+    prefill_num_candidates: int | None = None
     pending: BeamStep | None = None  # decided, not yet applied to the tables
     # Progress applying `pending`, kept so a request that ran short of blocks resumes exactly:
     # first the tables are reordered (one all-or-nothing call), then each gets one slot.
@@ -97,6 +106,21 @@ class Request:
     @property
     def num_beams(self) -> int:
         return self.params.beam_width
+
+    @property
+    def is_prefill_only(self) -> bool:
+        return self.prefill_num_candidates is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Prompt tokens still to run through the model (0 once the last chunk has run)."""
+        return self.prompt_len - self.num_computed_tokens
+
+    @property
+    def active_decoder(self) -> Decoder:
+        if self.decoder is None:
+            raise RuntimeError(f"request {self.request_id!r} is prefill-only and has no decoder")
+        return self.decoder
 
     @property
     def is_finished(self) -> bool:

@@ -3,11 +3,15 @@
 Plain Python over the KVCacheManager; the model never appears here. Each `schedule()`:
 1. grows every decoding request's tables for its pending step (reorder beams, one slot each),
    all or nothing per call, so a request short of blocks waits and resumes where it stopped;
-2. admits waiting requests first come first served while the batch has room for their beams
-   (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
-   running requests may still take: floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks,
-   and, for a hybrid model, W free recurrent-state slots;
-3. sheds what the queue's `QueueLimits` do not allow: requests that waited too long, then the
+2. spends the token budget (`max_num_batched_tokens`): one token per decoding beam first, then
+   the next chunk of each prompt being prefilled, oldest first; a prompt longer than what is
+   left runs that much now and the rest in later steps (chunked prefill);
+3. while budget is left, admits waiting requests first come first served while the batch has
+   room for their beams (`max_num_seqs`) and the pool has room for their DESIGN.md block bound
+   on top of what the running requests may still take:
+   floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks, and, for a hybrid model, W free
+   recurrent-state slots. Each admitted prompt gets its first chunk in the same step.
+4. sheds what the queue's `QueueLimits` do not allow: requests that waited too long, then the
    youngest past the queue's length bound (each fails with `request.error`, holding nothing).
 
 A request's beams never depend on its neighbours: the batch only decides when a request
@@ -23,9 +27,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
+from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError, PromptAllocation
 from engine.request import Request, RequestState
-from engine.state_pool import StatePool
+from engine.state_pool import OutOfStateSlotsError, StatePool
 
 Result = TypeVar("Result")
 
@@ -45,15 +49,35 @@ class QueueLimits:
             raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}")
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [start, start + num_tokens) of `request` run in this step's forward."""
+
+    request: Request
+    start: int  # the request's num_computed_tokens when scheduled
+    num_tokens: int
+
+    @property
+    def is_last(self) -> bool:
+        """The prompt is whole after this chunk: commit it, then decode (or pin, context side)."""
+        return self.start + self.num_tokens == self.request.prompt_len
+
+
 @dataclass
 class ScheduledBatch:
-    prefills: list[Request] = field(default_factory=list)  # run their prompt, then start decoding
+    prefills: list[PrefillChunk] = field(default_factory=list)  # the next chunk of a prompt each
     decodes: list[Request] = field(default_factory=list)  # one new token per running beam
     failed: list[Request] = field(default_factory=list)  # dropped with request.error set, blocks freed
 
     @property
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass feeds: one per decoding beam, plus every prompt chunk."""
+        num_decode_tokens = sum(len(request.tables) for request in self.decodes)
+        return num_decode_tokens + sum(chunk.num_tokens for chunk in self.prefills)
 
 
 class Scheduler:
@@ -63,10 +87,14 @@ class Scheduler:
         max_num_seqs: int,
         copy_blocks: Callable[[list[CopyOp]], None],
         state_pool: StatePool | None = None,
+        max_num_batched_tokens: int | None = None,
         queue_limits: QueueLimits | None = None,
     ) -> None:
+        """max_num_batched_tokens: the token budget of one forward pass (None: no limit, every
+        prompt runs whole)."""
         self.kv_cache = kv_cache
         self.queue_limits = queue_limits or QueueLimits()
+        self.max_num_batched_tokens = max_num_batched_tokens
         # Hybrid models: request.state_slot_ids[i] holds running beam i's recurrent state.
         self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
@@ -84,7 +112,24 @@ class Scheduler:
         """A request whose prompt KV is already in its table (generation side)."""
         request.formula_blocks = self._formula(request)
         request.state = RequestState.DECODING
+        request.num_computed_tokens = request.prompt_len
         self._note_blocks(request)
+        self.running.append(request)
+
+    def add_prefill_only(self, request: Request) -> None:
+        """A context-side prompt, allocated now (OutOfBlocksError leaves nothing held, as a
+        synchronous prefill always did) and run chunk by chunk in the following steps. It takes
+        no admission turn: the context side never decodes, so it promises no growth."""
+        request.formula_blocks = self._formula(request)
+        if self.state_pool is not None and self.state_pool.num_free_slots() < request.num_beams:
+            raise OutOfStateSlotsError(
+                f"need {request.num_beams} state slots, {self.state_pool.num_free_slots()} free"
+            )
+        before = self._stats_before()
+        allocation = self.kv_cache.allocate_prompt(request.prompt_ids, request.salt)
+        self._install_prompt(request, allocation, before)
+        request.state = RequestState.PREFILLING
+        request.times.admitted = time.monotonic()
         self.running.append(request)
 
     def remove(self, request: Request) -> None:
@@ -121,11 +166,17 @@ class Scheduler:
         """blocks_held_elsewhere: pinned prompts or reservations that will be released on their
         own timers; while they exist a stuck batch waits for them instead of failing a request."""
         batch = ScheduledBatch()
+        prefilling: list[Request] = []
         for request in list(self.running):
             if request.state is RequestState.PREFILLING:
-                batch.prefills.append(request)  # admitted, but its forward did not complete
+                prefilling.append(request)  # admitted, its prompt not yet whole
             elif request.state is RequestState.DECODING and self._grow(request, batch):
                 batch.decodes.append(request)
+        # Decode tokens first: a beam never waits behind a prompt. Then prompts, oldest first.
+        for request in prefilling:
+            if self._prefill_budget(batch) == 0:
+                break
+            batch.prefills.append(self._next_chunk(request, batch))
         self._admit(batch)
         self._shed_waiting(batch)
         if batch.is_empty and self.running and not blocks_held_elsewhere:
@@ -160,7 +211,7 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting:
+        while self.waiting and self._prefill_budget(batch) > 0:
             request = self.waiting[0]
             if (
                 request.num_beams > self.max_num_seqs
@@ -177,7 +228,17 @@ class Scheduler:
             request.state = RequestState.PREFILLING
             request.times.admitted = time.monotonic()
             self.running.append(request)
-            batch.prefills.append(request)
+            batch.prefills.append(self._next_chunk(request, batch))
+
+    def _prefill_budget(self, batch: ScheduledBatch) -> int:
+        """Prompt tokens this step may still feed."""
+        if self.max_num_batched_tokens is None:
+            return 1 << 62
+        return max(0, self.max_num_batched_tokens - batch.num_tokens)
+
+    def _next_chunk(self, request: Request, batch: ScheduledBatch) -> PrefillChunk:
+        num_tokens = min(request.num_uncomputed_tokens, self._prefill_budget(batch))
+        return PrefillChunk(request, request.num_computed_tokens, num_tokens)
 
     def _shed_waiting(self, batch: ScheduledBatch) -> None:
         """Fail waiting requests past the queue's bounds; they hold no block, so nothing is freed."""
@@ -207,10 +268,7 @@ class Scheduler:
             return False
         reserved = sum(other.remaining_blocks() for other in self.running)
         stats = self.kv_cache.stats
-        before = (
-            stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks,
-            stats.hybrid_pruned_tokens,
-        )  # fmt: skip
+        before = self._stats_before()
         try:
             allocation = self.kv_cache.allocate_prompt(request.prompt_ids, request.salt)
         except OutOfBlocksError:
@@ -226,6 +284,22 @@ class Scheduler:
                 stats.hybrid_pruned_tokens,
             ) = before  # fmt: skip
             return False
+        self._install_prompt(request, allocation, before)
+        return True
+
+    def _stats_before(self) -> tuple[int, int, int, int, int]:
+        stats = self.kv_cache.stats
+        return (
+            stats.prompt_tokens, stats.reused_tokens, stats.new_blocks, stats.copied_blocks,
+            stats.hybrid_pruned_tokens,
+        )  # fmt: skip
+
+    def _install_prompt(
+        self, request: Request, allocation: PromptAllocation, before: tuple[int, int, int, int, int]
+    ) -> None:
+        """The request takes its allocated prompt table (and, hybrid, its state slots)."""
+        stats = self.kv_cache.stats
+        request.tables = [allocation.table]
         self.copy_blocks(allocation.copies)
         if self.state_pool is not None:
             # Loaded now, before any later allocation may evict the snapshot's block.
@@ -233,11 +307,11 @@ class Scheduler:
             self.state_pool.reset(request.state_slot_ids[0], allocation.snapshot_block_id)
         request.num_tokens_before_hybrid_pruning = allocation.num_tokens_before_hybrid_pruning
         request.num_cached_tokens = allocation.num_cached_tokens
+        request.num_computed_tokens = allocation.num_cached_tokens
         request.reused_tokens = allocation.num_cached_tokens
         request.new_blocks += stats.new_blocks - before[2]
         request.copied_blocks += stats.copied_blocks - before[3]
         self._note_blocks(request)
-        return True
 
     def _fail(self, request: Request, message: str, batch: ScheduledBatch) -> None:
         request.error = message
@@ -251,6 +325,15 @@ class Scheduler:
         for request in self.running:
             assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.request_id
             assert request.tables, f"running request {request.request_id} holds no table"
+            if request.state is RequestState.PREFILLING:
+                # One prompt table of the whole prompt; its chunks run from the cached tokens on.
+                assert len(request.tables) == 1 and request.num_steps == 0, request.request_id
+                assert request.num_cached_tokens <= request.num_computed_tokens < request.prompt_len, (
+                    f"{request.request_id}: {request.num_computed_tokens} of {request.prompt_len} computed"
+                )
+            else:
+                assert not request.is_prefill_only, f"prefill-only {request.request_id} is decoding"
+                assert request.num_computed_tokens == request.prompt_len, request.request_id
             # Beams move in lockstep: k decided tokens means k - 1 fed (k once grown for the next).
             fed = request.prompt_len + max(request.num_steps - 1, 0)
             assert all(table.num_tokens in (fed, fed + 1) for table in request.tables), request.request_id
@@ -260,8 +343,9 @@ class Scheduler:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _formula(self, request: Request) -> int:
+        max_new_tokens = 0 if request.is_prefill_only else request.params.max_new_tokens
         return self.kv_cache.blocks_needed(
-            request.prompt_len, request.prompt_len + request.params.max_new_tokens, request.num_beams
+            request.prompt_len, request.prompt_len + max_new_tokens, request.num_beams
         )
 
     def _too_large_message(self, request: Request) -> str:

@@ -24,6 +24,8 @@ class RequestOutput:
     # Per live beam, which live beam of the previous output it continues (beams reorder, so a
     # stream rebuilds beam i as previous[parent_indices[i]] + new_token_ids[i]).
     parent_indices: list[int] = field(default_factory=list)
+    # Context side (LLMEngine.add_prefill): set on the finished output of a prefill-only request.
+    prefill: PrefillResult | None = None
 
 
 @dataclass(frozen=True)

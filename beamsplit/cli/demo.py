@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="beamsplit-demo-"))
     engine_arguments = [
         "--model", args.model, "--dtype", args.dtype, "--tokens-per-block", str(BLOCK_SIZE), "--num-blocks", "128",
+        "--batch-invariant",  # each case's two runs go at once: exact whatever shares the batch
     ]  # fmt: skip
     _say(f"model {args.model}, {args.dtype}; server logs in {log_dir}")
     # The demo's own tokenizer (prompt lengths, chat template) loads while the servers start.

@@ -47,9 +47,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="fixed-shape kernels so a request's tokens and scores do not depend on the rest of the "
-        "batch; --no-batch-invariant uses the padded kernels (default: on; bench serve reports the cost)",
+        "batch, so disaggregated equals aggregated under any load (default: off; it costs time, see "
+        "beamsplit bench invariance; the demo turns it on)",
     )
     group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
@@ -63,11 +64,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from engine import CacheConfig, EngineConfig
 
-    # Servers add --max-num-seqs and an engine --seed; the offline command keeps the defaults.
+    # Servers add --max-num-seqs, --max-num-batched-tokens and an engine --seed; the offline
+    # command keeps the defaults.
     is_auto_sized = args.num_blocks is None
     if is_auto_sized and not args.kv_cache_gib > 0:
         raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
-    extra = {"max_num_seqs": args.max_num_seqs, "seed": args.seed} if hasattr(args, "max_num_seqs") else {}
+    extra = (
+        {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "seed": args.seed,
+        }
+        if hasattr(args, "max_num_seqs")
+        else {}
+    )
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,

@@ -28,6 +28,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine flags of the offline `generate`, plus the batch bound and the engine's seed."""
     group = engine_args.add_engine_arguments(parser)
     group.add_argument("--max-num-seqs", type=int, default=64, help="beams across all running requests")
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens one forward pass feeds: a token per decoding beam, then prompt chunks; a longer "
+        "prompt is prefilled over several steps (default: 512, at least --max-num-seqs)",
+    )
     group.add_argument("--seed", type=int, default=0, help="engine seed (sampling requests without one)")
 
 

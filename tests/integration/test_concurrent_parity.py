@@ -2,7 +2,7 @@
 
 One deployment per dtype (context worker, generation worker, coordinator, aggregated server) on a
 random Llama wide enough (hidden 256, GQA 8/2) that plain kernels would change bits with the batch;
-`--batch-invariant` is the servers' default. Requests of 5 to 250 tokens, widths 1 to 4, a third
+the servers run with `--batch-invariant`. Requests of 5 to 250 tokens, widths 1 to 4, a third
 sharing a 2-block prefix, are sent to the coordinator and the aggregated server at the same time
 with staggered starts (they join and leave each other's batches). Every request's beams, token ids
 and scores, must be identical: disaggregated under load, aggregated under load, and each alone.
@@ -47,7 +47,15 @@ def cluster(
     request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
     log_dir = tmp_path_factory.mktemp(f"concurrent-{request.param}")
-    engine_arguments = ["--model", str(model_dir), "--dtype", request.param, "--num-blocks", "512"]
+    engine_arguments = [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        request.param,
+        "--num-blocks",
+        "512",
+        "--batch-invariant",
+    ]
     started = start_local_cluster(log_dir, engine_arguments, startup_timeout_s=180.0)
     try:
         yield started

@@ -160,11 +160,12 @@ def test_admission_counts_beam_width_state_slots() -> None:
     for request in requests:
         scheduler.add_waiting(request)
     batch = scheduler.schedule()
-    assert batch.prefills == [requests[0]] and len(requests[0].state_slot_ids) == 3
+    assert [chunk.request for chunk in batch.prefills] == [requests[0]]
+    assert len(requests[0].state_slot_ids) == 3
     assert list(scheduler.waiting) == [requests[1]]  # 2 free slots < 3 beams
     pool.check_integrity(scheduler.live_slot_ids())
     scheduler.remove(requests[0])
-    assert scheduler.schedule().prefills == [requests[1]]
+    assert [chunk.request for chunk in scheduler.schedule().prefills] == [requests[1]]
     pool.check_integrity(scheduler.live_slot_ids())
 
 
