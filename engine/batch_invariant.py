@@ -15,14 +15,15 @@ So every matmul here has a shape that depends on nothing but the token's role an
   matrix-vector product as in transformers, and a big decode batch is not padded. The grouping
   of the forward pass in flight is a `RowLayout` that ModelRunner sets (`row_layout`); without
   one, rows go ROW_CHUNK to an item.
-- `invariant_attention`: keys and values are read page by page (T keys per item). Queries come
-  in units: a decode token alone (G rows per kv head), prompt tokens PROMPT_UNIT tokens at a time
-  (G * PROMPT_UNIT rows). A token's role, not the batch, decides its unit size, so a prompt token
-  computed in a chunk, after a reused prefix or next to other prompts gives the same bits. Scores
-  [rows, D] x [D, T] and P @ V [rows, T] x [T, D] are fixed-shape items; the row maximum is exact
-  in any order. The softmax denominator and the output are summed per page, then over pages, by
-  `tree_sum`: a pairwise tree with a fixed leaf for each page, so pages past a row's position (or
-  padding up to the batch's longest context) only ever add exact zeros. torch's own `sum` is not
+- `invariant_attention`: keys and values are read straight from the block table, PAGES_PER_ITEM
+  pages (K keys) per item. Queries come in units: a decode token alone (G rows per kv head),
+  prompt tokens PROMPT_UNIT tokens at a time (G * PROMPT_UNIT rows). A token's role, not the
+  batch, decides its unit size, so a prompt token computed in a chunk, after a reused prefix or
+  next to other prompts gives the same bits. Scores [rows, D] x [D, K] and P @ V [rows, K] x
+  [K, D + 1] (a column of ones carries the softmax denominator) are fixed-shape items; the row
+  maximum is exact in any order. The items are summed by `tree_sum`: a pairwise tree with a fixed
+  leaf for each item, so items past a row's position (or padding up to the batch's longest
+  context) only ever add exact zeros. torch's own `sum` is not
   safe here: measured, summing a middle axis whose inner size is under 16 or so changes bits with
   the axis length and the row count.
 
@@ -48,6 +49,7 @@ from engine.kv_pool import KEY, VALUE
 ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is set
 PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
 PROMPT_UNIT = 32  # prompt tokens per attention query unit
+PAGES_PER_ITEM = 4  # keys of one attention item: 4 pages (128 keys at T = 32)
 MAX_PROMPT_ITEMS = 1024  # (unit, page) items per attention slice: bounds the scores' memory
 MAX_DECODE_ITEMS = 16384
 
@@ -176,8 +178,9 @@ class AttentionSlice:
     """Query units of one shape that are computed together (one slice bounds the memory)."""
 
     token_index: torch.Tensor  # [U, Q] index into the N new tokens; padding points at row N
-    block_table: torch.Tensor  # [U, P] pages of each unit's context, padded with block 0
-    key_mask: torch.Tensor  # [U, P, Q, T] bool: unit row q may see key t of page p
+    block_table: torch.Tensor  # [U, P] pages of each unit's context, padded with block 0 to a
+    # multiple of PAGES_PER_ITEM
+    hidden_keys: torch.Tensor  # [U, I, Q, K] bool: key k of item i is hidden from unit row q
 
 
 @dataclass(frozen=True)
@@ -237,16 +240,16 @@ def _make_slice(
     token_index = [indices + [num_tokens] * (size - len(indices)) for indices, _, _ in group]
     # A padding row sits at position 0: it sees key 0, so its softmax stays finite; it is never read.
     positions = [pos + [0] * (size - len(pos)) for _, pos, _ in group]
-    block_table = [list(pages) + [0] * (max_pages - len(pages)) for _, _, pages in group]
+    num_items = -(-max_pages // PAGES_PER_ITEM)
+    num_pages = num_items * PAGES_PER_ITEM
+    block_table = [list(pages) + [0] * (num_pages - len(pages)) for _, _, pages in group]
     position_tensor = torch.tensor(positions, dtype=torch.long, device=device)  # [U, Q]
-    key_positions = torch.arange(max_pages * tokens_per_block, device=device).view(
-        max_pages, tokens_per_block
-    )
-    key_mask = key_positions[None, :, None, :] <= position_tensor[:, None, :, None]  # [U, P, Q, T]
+    key_positions = torch.arange(num_pages * tokens_per_block, device=device).view(num_items, -1)  # [I, K]
+    hidden_keys = key_positions[None, :, None, :] > position_tensor[:, None, :, None]  # [U, I, Q, K]
     return AttentionSlice(
         token_index=torch.tensor(token_index, dtype=torch.long, device=device),
         block_table=torch.tensor(block_table, dtype=torch.long, device=device),
-        key_mask=key_mask,
+        hidden_keys=hidden_keys,
     )
 
 
@@ -267,32 +270,44 @@ def invariant_attention(
     """query [N, H, D] (rotary applied), kv_layer [blocks, 2, T, Hkv, D] holding the new tokens'
     K/V -> [N, H, D]; see the module docstring for why every shape is fixed."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, tokens_per_block = kv_layer.shape[3], kv_layer.shape[2]
+    num_kv_heads = kv_layer.shape[3]
     group = num_heads // num_kv_heads
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)
     padded_query = torch.cat((query, query.new_zeros((1, num_heads, head_dim))))  # row N: padding
     output = query.new_empty((num_tokens + 1, num_heads, head_dim))
+    # The softmax denominator rides in the P @ V matmul as a column of ones (a fixed-shape sum),
+    # except for bfloat16, whose output would round it: summed by tree_sum in float32 there.
+    denominator_in_matmul = query.dtype != torch.bfloat16
     for part in layout.slices:
         num_units, unit_size = part.token_index.shape
-        num_pages = part.block_table.shape[1]
+        num_items, keys_per_item = part.hidden_keys.shape[1], part.hidden_keys.shape[3]
         rows = group * unit_size
-        items = num_units * num_pages * num_kv_heads
-        unit_query = padded_query[part.token_index].view(num_units, unit_size, num_kv_heads, group, head_dim)
+        items = num_units * num_items * num_kv_heads
+        unit_query = (padded_query[part.token_index] * scale).view(
+            num_units, unit_size, num_kv_heads, group, head_dim
+        )
         unit_query = unit_query.permute(0, 2, 3, 1, 4).reshape(num_units, 1, num_kv_heads, rows, head_dim)
-        unit_query = unit_query.expand(-1, num_pages, -1, -1, -1).reshape(items, rows, head_dim)
+        unit_query = unit_query.expand(-1, num_items, -1, -1, -1).reshape(items, rows, head_dim)
+        # Pages 4i .. 4i+3 of a unit are its item i: keys_per_item keys in position order.
         key_pages = kv_layer[:, KEY][part.block_table]  # [U, P, T, Hkv, D]
         value_pages = kv_layer[:, VALUE][part.block_table]
-        keys = key_pages.permute(0, 1, 3, 4, 2).reshape(items, head_dim, tokens_per_block)
-        values = value_pages.permute(0, 1, 3, 2, 4).reshape(items, tokens_per_block, head_dim)
-        scores = torch.bmm(unit_query, keys).view(num_units, num_pages, num_kv_heads, group, unit_size, -1)
-        scores = (scores * scale).to(softmax_dtype)
-        scores = scores.masked_fill(~part.key_mask[:, :, None, None], float("-inf"))  # [U, P, Hkv, G, Q, T]
+        item_shape = (num_units, num_items, keys_per_item, num_kv_heads, head_dim)
+        keys = key_pages.view(item_shape).permute(0, 1, 3, 4, 2).reshape(items, head_dim, keys_per_item)
+        values = value_pages.view(item_shape).permute(0, 1, 3, 2, 4)  # [U, I, Hkv, K, D]
+        if denominator_in_matmul:
+            values = torch.cat((values, values.new_ones((*values.shape[:-1], 1))), dim=-1)
+        values = values.reshape(items, keys_per_item, -1)
+        scores = torch.bmm(unit_query, keys).view(num_units, num_items, num_kv_heads, group, unit_size, -1)
+        scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[:, :, None, None], float("-inf"))
         row_max = scores.amax(dim=(1, 5), keepdim=True)  # exact in any order
-        weights = torch.exp(scores - row_max)  # masked keys: exactly 0
-        denominator = tree_sum(tree_sum(weights, dim=-1), dim=1)  # [U, Hkv, G, Q]: per page, then pages
-        partial = torch.bmm(weights.to(query.dtype).view(items, rows, tokens_per_block), values)
-        summed = tree_sum(partial.view(num_units, num_pages, num_kv_heads, group, unit_size, head_dim), dim=1)
-        unit_output = (summed.to(softmax_dtype) / denominator[..., None]).to(query.dtype)  # [U, Hkv, G, Q, D]
+        weights = scores.sub_(row_max).exp_()  # [U, I, Hkv, G, Q, K]; hidden keys exactly 0
+        partial = torch.bmm(weights.to(query.dtype).view(items, rows, keys_per_item), values)
+        summed = tree_sum(partial.view(num_units, num_items, num_kv_heads, group, unit_size, -1), dim=1)
+        if denominator_in_matmul:
+            numerator, denominator = summed[..., :head_dim], summed[..., head_dim:]
+        else:
+            numerator, denominator = summed, tree_sum(tree_sum(weights, dim=-1), dim=1)[..., None]
+        unit_output = (numerator.to(softmax_dtype) / denominator).to(query.dtype)  # [U, Hkv, G, Q, D]
         unit_output = unit_output.permute(0, 3, 1, 2, 4).reshape(num_units * unit_size, num_heads, head_dim)
         output[part.token_index.reshape(-1)] = unit_output
     return output[:num_tokens]

@@ -6,11 +6,12 @@ Plain Python over the KVCacheManager; the model never appears here. Each `schedu
 2. spends the token budget (`max_num_batched_tokens`): one token per decoding beam first, then
    the next chunk of each prompt being prefilled, oldest first; a prompt longer than what is
    left runs that much now and the rest in later steps (chunked prefill);
-3. while budget is left, admits waiting requests first come first served while the batch has
-   room for their beams (`max_num_seqs`) and the pool has room for their DESIGN.md block bound
-   on top of what the running requests may still take:
+3. admits waiting requests first come first served while the batch has room for their beams
+   (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
+   running requests may still take:
    floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks, and, for a hybrid model, W free
-   recurrent-state slots. Each admitted prompt gets its first chunk in the same step.
+   recurrent-state slots. An admitted prompt gets its first chunk in the same step if budget is
+   left, else in a later one (it holds its blocks meanwhile, and no longer counts as queued);
 4. sheds what the queue's `QueueLimits` do not allow: requests that waited too long, then the
    youngest past the queue's length bound (each fails with `request.error`, holding nothing).
 
@@ -211,7 +212,10 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting and self._prefill_budget(batch) > 0:
+        # Admission is by blocks and beams only: a request admitted once the budget is spent holds
+        # its prompt's blocks and gets its first chunk in a later step. (Gating it on the budget
+        # too kept requests queued behind long prompts until the queue's wait bound refused them.)
+        while self.waiting:
             request = self.waiting[0]
             if (
                 request.num_beams > self.max_num_seqs
@@ -228,7 +232,8 @@ class Scheduler:
             request.state = RequestState.PREFILLING
             request.times.admitted = time.monotonic()
             self.running.append(request)
-            batch.prefills.append(self._next_chunk(request, batch))
+            if self._prefill_budget(batch) > 0:
+                batch.prefills.append(self._next_chunk(request, batch))
 
     def _prefill_budget(self, batch: ScheduledBatch) -> int:
         """Prompt tokens this step may still feed."""
