@@ -52,9 +52,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     seed: int = 0
     # A request's tokens and scores do not depend on what else is in the batch (fixed-shape
-    # kernels, engine/batch_invariant.py). Off by default: it costs time (bench invariance),
-    # mostly in attention over long prompts; the demo and the parity tests turn it on.
-    batch_invariant: bool = False
+    # kernels, engine/batch_invariant.py). On by default: its attention is also the varlen one (the
+    # plain kernel pads every sequence to the batch's longest query, ruinous when decode steps
+    # share a batch with prompt chunks); it costs 1.3-1.6x on prefill alone (bench invariance).
+    batch_invariant: bool = True
     # Tokens one forward pass may feed: one per decoding beam first, then prompt chunks in order
     # (chunked prefill, docs/engine.md). At least max_num_seqs: the beams admitted next to a prompt
     # still being prefilled always leave it some of the budget.
