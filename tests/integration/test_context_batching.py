@@ -89,8 +89,16 @@ def test_prefills_that_arrive_together_share_one_forward(side: ContextSide) -> N
     reference = LLMEngine(CONFIG)
     expected = [reference.prefill(f"r{index}#0", prompt, 4) for index, prompt in enumerate(prompts)]
     # Hold the engine thread until every prefill has queued its add behind it.
-    gate = threading.Event()
-    side.loop.submit(lambda engine: gate.wait(WAIT_S))
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold(engine: Any) -> None:
+        holding.set()
+        gate.wait(WAIT_S)
+
+    side.loop.submit(hold)
+    # The engine thread must be inside hold() before the adds queue: had it not yet taken hold()
+    # off the queue, it would take the first adds with it and run them before the others came.
+    assert holding.wait(WAIT_S)
     held: dict[int, HeldPrompt] = {}
 
     def run(index: int) -> None:
