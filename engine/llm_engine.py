@@ -22,37 +22,24 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from engine.batch_invariant import make_batch_invariant
-from engine.block_allocator import PoolTooSmallError
-from engine.config import EngineConfig, SamplingParams, check_engine_params
+from engine.config import EngineConfig, SamplingParams
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, SequenceInput
-from engine.request import Request, RequestState, make_decoder
+from engine.request import Request, RequestState, Reservation, make_decoder
+from engine.request_checks import check_fits_pool, check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
 from engine.types import EngineCounters, KVRegion, PrefillResult, PromptReservation, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Reservation:
-    table: BlockTable
-    prompt_ids: list[int]
-    salt: bytes
-    new_blocks: int
-    state_slot_ids: list[int]  # hybrid, with params: the request's W slots, taken up front
-    bound_blocks: int = 0  # with params: the request's block bound, promised while its pull runs
-
-    def remaining_blocks(self) -> int:
-        return max(0, self.bound_blocks - len(self.table.block_ids))
 
 
 class LLMEngine:
@@ -96,7 +83,7 @@ class LLMEngine:
         )
         self._requests: dict[str, Request] = {}
         self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
-        self._reservations: dict[str, _Reservation] = {}  # generation side: awaiting their pull
+        self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
         self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
         self._request_counter = itertools.count()
 
@@ -200,15 +187,14 @@ class LLMEngine:
         the prompt now, PoolTooSmallError when it never can; `abort` drops it at any point and
         frees its blocks.
         """
-        self._check_prompt(prompt_ids, 0)
+        check_prompt(self.model_config, prompt_ids, 0)
         if request_id in self._prefilled or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        num_prompt_blocks = -(-len(prompt_ids) // self.cache_config.tokens_per_block)
-        if num_prompt_blocks > self.kv_cache.allocator.num_blocks:
-            raise PoolTooSmallError(
-                f"request {request_id!r} needs {num_prompt_blocks} blocks for its prompt, more than the "
-                f"pool's {self.kv_cache.allocator.num_blocks} in all"
-            )
+        num_prompt_blocks = self.cache_config.blocks_for_tokens(len(prompt_ids))
+        pool_blocks = self.kv_cache.allocator.num_blocks
+        check_fits_pool(
+            request_id, f"{num_prompt_blocks} blocks for its prompt", num_prompt_blocks, pool_blocks
+        )
         request = Request(request_id, list(prompt_ids), SamplingParams(), None, salt)
         request.prefill_num_candidates = num_candidates
         self.scheduler.add_prefill_only(request)
@@ -247,7 +233,7 @@ class LLMEngine:
         take, and, for a hybrid model, its W state slots are taken now. Raises PoolTooSmallError
         when the bound exceeds the whole pool (it never fits), OutOfBlocksError when it does not
         fit now (a caller may retry later); either way nothing is held."""
-        self._check_prompt(prompt_ids, 0 if params is None else params.max_new_tokens)
+        check_prompt(self.model_config, prompt_ids, 0 if params is None else params.max_new_tokens)
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         bound = 0
@@ -255,11 +241,7 @@ class LLMEngine:
             bound = self.kv_cache.blocks_needed(
                 len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width
             )
-            if bound > self.kv_cache.allocator.num_blocks:
-                raise PoolTooSmallError(
-                    f"request {request_id!r} needs up to {bound} blocks, more than the pool's "
-                    f"{self.kv_cache.allocator.num_blocks} in all"
-                )
+            check_fits_pool(request_id, f"up to {bound} blocks", bound, self.kv_cache.allocator.num_blocks)
         # A refusal restores the counters too: a queued request retries, and must not count its
         # lookups each time.
         stats_before = replace(self.kv_cache.stats)
@@ -293,7 +275,7 @@ class LLMEngine:
                 self.kv_cache.free(table)
                 self.kv_cache.stats = stats_before
                 raise
-        self._reservations[request_id] = _Reservation(
+        self._reservations[request_id] = Reservation(
             table, list(prompt_ids), salt, new_blocks, slot_ids, bound
         )
         return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
@@ -503,22 +485,5 @@ class LLMEngine:
     def _check_new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        check_engine_params(self.config, params)
-        self._check_prompt(prompt_ids, params.max_new_tokens)
-        vocab_size = self.model_config.vocab_size
-        if params.eos_token_id is not None and params.eos_token_id >= vocab_size:
-            raise ValueError(f"eos_token_id must be < vocab_size {vocab_size}, got {params.eos_token_id}")
-
-    def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        vocab_size = self.model_config.vocab_size
-        bad_ids = [token_id for token_id in prompt_ids if not 0 <= token_id < vocab_size]
-        if bad_ids:
-            raise ValueError(f"prompt_ids must be in [0, vocab_size={vocab_size}), got {bad_ids[:5]}")
-        limit = self.model_config.max_position_embeddings
-        if len(prompt_ids) + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt_ids ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceed the model's "
-                f"max_position_embeddings {limit}"
-            )
+        check_params(self.config, self.model_config, params)
+        check_prompt(self.model_config, prompt_ids, params.max_new_tokens)

@@ -183,3 +183,18 @@ class Request:
         if times.first_token is not None:
             stats["first_token_s"] = times.first_token - times.arrival
         return stats
+
+
+@dataclass
+class Reservation:
+    """Generation side: a prompt's blocks, reserved while its pages are pulled."""
+
+    table: BlockTable
+    prompt_ids: list[int]
+    salt: bytes
+    new_blocks: int
+    state_slot_ids: list[int]  # hybrid, with params: the request's W slots, taken up front
+    bound_blocks: int = 0  # with params: the request's block bound, promised while its pull runs
+
+    def remaining_blocks(self) -> int:
+        return max(0, self.bound_blocks - len(self.table.block_ids))
