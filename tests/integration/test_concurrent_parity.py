@@ -10,7 +10,6 @@ and scores, must be identical: disaggregated under load, aggregated under load, 
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -22,24 +21,11 @@ import pytest
 from beamsplit.client.grpc_client import BeamsplitClient, GenerateResult, build_request
 from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
 from beamsplit.v1 import common_pb2, coordinator_pb2
-from tests.helpers.checkpoints import write_random_llama_checkpoint
 from tests.integration.test_service_parity import assert_pools_empty
+from tests.unit.test_batch_invariance import mixed_requests
+from tests.unit.test_batch_invariance import model_dir as model_dir  # the same wide random Llama
 
 NUM_REQUESTS = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_llama_checkpoint(
-        tmp_path_factory.mktemp("llama-256"),
-        num_heads=8,
-        num_kv_heads=2,
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=3,
-        max_position_embeddings=2048,
-    )
 
 
 @pytest.fixture(scope="module", params=["float32", "float64"])
@@ -65,19 +51,18 @@ def cluster(
 
 
 def workload() -> list[coordinator_pb2.GenerateRequest]:
-    rng = random.Random(11)
-    common = [rng.randrange(5, 500) for _ in range(70)]
-    requests = []
-    for index in range(NUM_REQUESTS):
-        length = [5, 33, 64, 100, 17, 250, 40, 8][index % 8]
-        prompt = [rng.randrange(5, 500) for _ in range(length)]
-        if index % 3 == 0:
-            prompt = common + prompt
-        sampling = common_pb2.SamplingOptions(
-            beam_width=[1, 2, 4, 3][index % 4], max_new_tokens=6 + index % 5, ignore_eos=True
+    """The engine test's mix (tests/unit/test_batch_invariance.py), as coordinator requests."""
+    return [
+        build_request(
+            token_ids=prompt,
+            sampling=common_pb2.SamplingOptions(
+                beam_width=params.beam_width,
+                max_new_tokens=params.max_new_tokens,
+                ignore_eos=params.ignore_eos,
+            ),
         )
-        requests.append(build_request(token_ids=prompt, sampling=sampling))
-    return requests
+        for _, prompt, params in mixed_requests()
+    ]
 
 
 def beams_of(result: GenerateResult) -> list[tuple[list[int], float, float, str]]:
