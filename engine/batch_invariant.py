@@ -175,12 +175,18 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
 
 @dataclass(frozen=True)
 class AttentionSlice:
-    """Query units of one shape that are computed together (one slice bounds the memory)."""
+    """Query units of one shape that are computed together (one slice bounds the memory).
+
+    Only the (unit, item) pairs a unit can see are computed: an item wholly past a unit's last
+    position (causal, or padding up to the slice's longest context) would add exact zeros, so it
+    is left out and its place in the tree sum holds zeros (same bits, less work)."""
 
     token_index: torch.Tensor  # [U, Q] index into the N new tokens; padding points at row N
-    block_table: torch.Tensor  # [U, P] pages of each unit's context, padded with block 0 to a
-    # multiple of PAGES_PER_ITEM
-    hidden_keys: torch.Tensor  # [U, I, Q, K] bool: key k of item i is hidden from unit row q
+    num_items: int  # I: items of the slice's longest unit
+    pair_unit: torch.Tensor  # [V] the unit of each visible pair
+    pair_slot: torch.Tensor  # [V] unit * I + item: the pair's leaf in the unit's tree sum
+    pair_pages: torch.Tensor  # [V, PAGES_PER_ITEM] the item's pages (block 0 past the context)
+    hidden_keys: torch.Tensor  # [V, Q, K] bool: key k of the pair's item is hidden from unit row q
 
 
 @dataclass(frozen=True)
@@ -238,18 +244,30 @@ def _make_slice(
     device: torch.device | str,
 ) -> AttentionSlice:
     token_index = [indices + [num_tokens] * (size - len(indices)) for indices, _, _ in group]
-    # A padding row sits at position 0: it sees key 0, so its softmax stays finite; it is never read.
-    positions = [pos + [0] * (size - len(pos)) for _, pos, _ in group]
     num_items = -(-max_pages // PAGES_PER_ITEM)
-    num_pages = num_items * PAGES_PER_ITEM
-    block_table = [list(pages) + [0] * (num_pages - len(pages)) for _, _, pages in group]
-    position_tensor = torch.tensor(positions, dtype=torch.long, device=device)  # [U, Q]
-    key_positions = torch.arange(num_pages * tokens_per_block, device=device).view(num_items, -1)  # [I, K]
-    hidden_keys = key_positions[None, :, None, :] > position_tensor[:, None, :, None]  # [U, I, Q, K]
+    keys_per_item = PAGES_PER_ITEM * tokens_per_block
+    pair_unit: list[int] = []
+    pair_slot: list[int] = []
+    pair_pages: list[list[int]] = []
+    pair_positions: list[list[int]] = []
+    for unit, (_, positions, pages) in enumerate(group):
+        # A padding row sits at position 0: it sees key 0, so its softmax stays finite; never read.
+        padded_positions = positions + [0] * (size - len(positions))
+        for item in range(positions[-1] // keys_per_item + 1):
+            item_pages = list(pages[item * PAGES_PER_ITEM : (item + 1) * PAGES_PER_ITEM])
+            pair_unit.append(unit)
+            pair_slot.append(unit * num_items + item)
+            pair_pages.append(item_pages + [0] * (PAGES_PER_ITEM - len(item_pages)))
+            pair_positions.append([position - item * keys_per_item for position in padded_positions])
+    key_offsets = torch.arange(keys_per_item, device=device)  # [K]
+    positions_tensor = torch.tensor(pair_positions, dtype=torch.long, device=device)  # [V, Q]
     return AttentionSlice(
         token_index=torch.tensor(token_index, dtype=torch.long, device=device),
-        block_table=torch.tensor(block_table, dtype=torch.long, device=device),
-        hidden_keys=hidden_keys,
+        num_items=num_items,
+        pair_unit=torch.tensor(pair_unit, dtype=torch.long, device=device),
+        pair_slot=torch.tensor(pair_slot, dtype=torch.long, device=device),
+        pair_pages=torch.tensor(pair_pages, dtype=torch.long, device=device),
+        hidden_keys=key_offsets[None, None, :] > positions_tensor[:, :, None],
     )
 
 
@@ -280,33 +298,45 @@ def invariant_attention(
     denominator_in_matmul = query.dtype != torch.bfloat16
     for part in layout.slices:
         num_units, unit_size = part.token_index.shape
-        num_items, keys_per_item = part.hidden_keys.shape[1], part.hidden_keys.shape[3]
+        num_pairs, _, keys_per_item = part.hidden_keys.shape
         rows = group * unit_size
-        items = num_units * num_items * num_kv_heads
         unit_query = (padded_query[part.token_index] * scale).view(
             num_units, unit_size, num_kv_heads, group, head_dim
         )
-        unit_query = unit_query.permute(0, 2, 3, 1, 4).reshape(num_units, 1, num_kv_heads, rows, head_dim)
-        unit_query = unit_query.expand(-1, num_items, -1, -1, -1).reshape(items, rows, head_dim)
-        # Pages 4i .. 4i+3 of a unit are its item i: keys_per_item keys in position order.
-        key_pages = kv_layer[:, KEY][part.block_table]  # [U, P, T, Hkv, D]
-        value_pages = kv_layer[:, VALUE][part.block_table]
-        item_shape = (num_units, num_items, keys_per_item, num_kv_heads, head_dim)
-        keys = key_pages.view(item_shape).permute(0, 1, 3, 4, 2).reshape(items, head_dim, keys_per_item)
-        values = value_pages.view(item_shape).permute(0, 1, 3, 2, 4)  # [U, I, Hkv, K, D]
+        unit_query = unit_query.permute(0, 2, 3, 1, 4)  # [U, Hkv, G, Q, D]
+        pair_query = unit_query[part.pair_unit].reshape(num_pairs * num_kv_heads, rows, head_dim)
+        # An item's PAGES_PER_ITEM pages hold its keys_per_item keys in position order.
+        item_shape = (num_pairs, keys_per_item, num_kv_heads, head_dim)
+        keys = kv_layer[:, KEY][part.pair_pages].view(item_shape).permute(0, 2, 3, 1)  # [V, Hkv, D, K]
+        values = kv_layer[:, VALUE][part.pair_pages].view(item_shape).permute(0, 2, 1, 3)  # [V, Hkv, K, D]
         if denominator_in_matmul:
             values = torch.cat((values, values.new_ones((*values.shape[:-1], 1))), dim=-1)
-        values = values.reshape(items, keys_per_item, -1)
-        scores = torch.bmm(unit_query, keys).view(num_units, num_items, num_kv_heads, group, unit_size, -1)
-        scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[:, :, None, None], float("-inf"))
-        row_max = scores.amax(dim=(1, 5), keepdim=True)  # exact in any order
-        weights = scores.sub_(row_max).exp_()  # [U, I, Hkv, G, Q, K]; hidden keys exactly 0
-        partial = torch.bmm(weights.to(query.dtype).view(items, rows, keys_per_item), values)
-        summed = tree_sum(partial.view(num_units, num_items, num_kv_heads, group, unit_size, -1), dim=1)
+        keys = keys.reshape(num_pairs * num_kv_heads, head_dim, keys_per_item)
+        values = values.reshape(num_pairs * num_kv_heads, keys_per_item, -1)
+        scores = torch.bmm(pair_query, keys).view(num_pairs, num_kv_heads, group, unit_size, keys_per_item)
+        scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[:, None, None], float("-inf"))
+        # The row maximum over a unit's pairs: exact in any order.
+        item_max = scores.new_full(
+            (num_units * part.num_items, num_kv_heads, group, unit_size), float("-inf")
+        )
+        item_max[part.pair_slot] = scores.amax(dim=-1)
+        unit_max = item_max.view(num_units, part.num_items, num_kv_heads, group, unit_size).amax(dim=1)
+        weights = scores.sub_(unit_max[part.pair_unit][..., None]).exp_()  # hidden keys exactly 0
+        partial = torch.bmm(
+            weights.to(query.dtype).view(num_pairs * num_kv_heads, rows, keys_per_item), values
+        )
+        leaves = partial.new_zeros(
+            (num_units * part.num_items, num_kv_heads, group, unit_size, partial.shape[-1])
+        )
+        leaves[part.pair_slot] = partial.view(num_pairs, num_kv_heads, group, unit_size, -1)
+        summed = tree_sum(leaves.view(num_units, part.num_items, num_kv_heads, group, unit_size, -1), dim=1)
         if denominator_in_matmul:
             numerator, denominator = summed[..., :head_dim], summed[..., head_dim:]
         else:
-            numerator, denominator = summed, tree_sum(tree_sum(weights, dim=-1), dim=1)[..., None]
+            weight_leaves = weights.new_zeros((num_units * part.num_items, num_kv_heads, group, unit_size))
+            weight_leaves[part.pair_slot] = tree_sum(weights, dim=-1)
+            weight_leaves = weight_leaves.view(num_units, part.num_items, num_kv_heads, group, unit_size)
+            numerator, denominator = summed, tree_sum(weight_leaves, dim=1)[..., None]
         unit_output = (numerator.to(softmax_dtype) / denominator).to(query.dtype)  # [U, Hkv, G, Q, D]
         unit_output = unit_output.permute(0, 3, 1, 2, 4).reshape(num_units * unit_size, num_heads, head_dim)
         output[part.token_index.reshape(-1)] = unit_output

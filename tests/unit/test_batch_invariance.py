@@ -16,7 +16,7 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.attention import paged_attention, prepare_attention
-from engine.batch_invariant import ROW_CHUNK, invariant_linear, tree_sum
+from engine.batch_invariant import ROW_CHUNK, invariant_linear, prepare_invariant_layout, tree_sum
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 DTYPES = [torch.float32, torch.float64]
@@ -90,6 +90,25 @@ def test_attention_rows_do_not_depend_on_the_batch_or_the_chunking(dtype: torch.
     # A decode row alone equals the same row in the batch.
     decode_alone = attention_rows([others[1]], [True], other_queries[1], kv_layer)
     assert torch.equal(rows[40:41], decode_alone)
+
+
+def test_attention_computes_only_the_items_a_unit_can_see() -> None:
+    """A 512-token prompt (16 units of 32 tokens, items of 128 keys): unit u sees u // 4 + 1 items,
+    40 pairs rather than 16 x 4. A decode token at position 9 next to one at 599: 1 + 5 pairs, not
+    2 x 5. The bits equal computing every item (the tests above compare such rows alone and next
+    to longer neighbours)."""
+    prompt = prepare_invariant_layout([(list(range(16)), 0, 512)], [False], 32, "cpu")
+    (part,) = prompt.slices
+    assert part.num_items == 4 and part.pair_unit.tolist() == [
+        u for u in range(16) for _ in range(u // 4 + 1)
+    ]
+    assert part.pair_slot.tolist() == [u * 4 + i for u in range(16) for i in range(u // 4 + 1)]
+    decode = prepare_invariant_layout([([1], 9, 1), (list(range(2, 21)), 599, 1)], [True, True], 32, "cpu")
+    (part,) = decode.slices
+    assert part.num_items == 5 and part.pair_unit.tolist() == [0, 1, 1, 1, 1, 1]
+    assert part.pair_pages[0].tolist() == [1, 0, 0, 0] and part.pair_pages[-1].tolist() == [18, 19, 20, 0]
+    assert part.hidden_keys[0, 0].tolist() == [k > 9 for k in range(128)]
+    assert part.hidden_keys[-1, 0].tolist() == [k > 599 - 512 for k in range(128)]
 
 
 @pytest.fixture(scope="module")
