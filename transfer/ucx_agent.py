@@ -12,7 +12,8 @@ only sends are posted it waits between progress calls, 0.1 to 5 ms (`HolderSessi
 a holder's sends need progress only to push queued rendezvous requests and to see the puller's
 acknowledgements, while the copy runs in the puller's lanes and needs the cores (on a 2-core host
 a spinning holder took one from them, and frequent wake-ups preempt them). Otherwise the loop
-sleeps in the selector with a 5 ms tick that drives the deadlines. Any wait ends early on a control
+sleeps in the selector: a 5 ms tick drives the sessions' deadlines; with no session it sleeps until the
+next offer lease lapses, at most 100 ms. Any wait ends early on a control
 message, a command or a lane that finished a job.
 """
 
@@ -50,7 +51,11 @@ from transfer.ucx_lanes import ReceiveLane
 from transfer.ucx_sessions import HolderSession, PullSession, Session
 
 _logger = logging.getLogger(__name__)
-_IDLE_TICK_S = 0.005
+_IDLE_TICK_S = 0.005  # while sessions run: their deadlines
+# With no session the loop has nothing to time but offer leases (waited for exactly) and its own
+# beat for the watchdog; a 5 ms tick there woke a thread 200 times a second in a generation worker
+# that decodes on both cores (docs/transfer.md, "An idle agent sleeps").
+_QUIET_TICK_S = 0.1
 _COMMAND_WAIT_S = 5.0
 _CONNECT_TIMEOUT_S = 2.0
 
@@ -287,9 +292,16 @@ class UcxTransferAgent(TransferAgent):
         if self._lanes[0].is_busy:
             return 0.0
         with self._lock:
+            has_sessions = bool(self._sessions)
             sending = [session.send_poll_s for session in self._sessions.values() if session.has_posted_sends]
         if not sending:
-            return _IDLE_TICK_S
+            if has_sessions:
+                return _IDLE_TICK_S
+            # Nothing in flight: sleep until the next offer's lease lapses, at most the quiet tick.
+            next_deadline = self._book.next_deadline()
+            if next_deadline is None:
+                return _QUIET_TICK_S
+            return min(_QUIET_TICK_S, max(0.0, next_deadline - time.monotonic()))
         wait_s = min(sending)
         if wait_s < 0.001:
             time.sleep(wait_s)
