@@ -15,9 +15,10 @@ So every matmul here has a shape that depends on nothing but the token's role an
   matrix-vector product as in transformers, and a big decode batch is not padded. The grouping
   of the forward pass in flight is a `RowLayout` that ModelRunner sets (`row_layout`); without
   one, rows go ROW_CHUNK to an item.
-- `invariant_attention`: keys and values are read straight from the block table, PAGES_PER_ITEM
-  pages (K keys) per item. Queries come in units: a decode token alone (G rows per kv head),
-  prompt tokens PROMPT_UNIT tokens at a time (G * PROMPT_UNIT rows). A token's role, not the
+- `invariant_attention`: keys and values are read straight from the block table, K keys per
+  item (PAGES_PER_ITEM pages for a decode token, PROMPT_PAGES_PER_ITEM for a prompt unit).
+  Queries come in units: a decode token alone (G rows per kv head), prompt tokens PROMPT_UNIT
+  tokens at a time (G * PROMPT_UNIT rows). A token's role, not the
   batch, decides its unit size, so a prompt token computed in a chunk, after a reused prefix or
   next to other prompts gives the same bits. Scores [rows, D] x [D, K] and P @ V [rows, K] x
   [K, D + 1] (a column of ones carries the softmax denominator) are fixed-shape items; the row
@@ -48,9 +49,10 @@ from engine.kv_pool import KEY, VALUE
 
 ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is set
 PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
-PROMPT_UNIT = 32  # prompt tokens per attention query unit
-PAGES_PER_ITEM = 4  # keys of one attention item: 4 pages (128 keys at T = 32)
-MAX_PROMPT_ITEMS = 1024  # (unit, page) items per attention slice: bounds the scores' memory
+PROMPT_UNIT = 64  # prompt tokens per attention query unit
+PROMPT_PAGES_PER_ITEM = 8  # keys of one prompt unit's attention item: 8 pages (256 keys at T = 32)
+PAGES_PER_ITEM = 4  # keys of one decode token's attention item: 4 pages (128 keys at T = 32)
+MAX_PROMPT_TOKEN_PAGES = 32768  # query tokens x pages per prompt slice: bounds the scores' memory
 MAX_DECODE_ITEMS = 16384
 
 
@@ -185,7 +187,7 @@ class AttentionSlice:
     num_items: int  # I: items of the slice's longest unit
     pair_unit: torch.Tensor  # [V] the unit of each visible pair
     pair_slot: torch.Tensor  # [V] unit * I + item: the pair's leaf in the unit's tree sum
-    pair_pages: torch.Tensor  # [V, PAGES_PER_ITEM] the item's pages (block 0 past the context)
+    pair_pages: torch.Tensor  # [V, pages per item] the item's pages (block 0 past the context)
     hidden_keys: torch.Tensor  # [V, Q, K] bool: key k of the pair's item is hidden from unit row q
 
 
@@ -218,7 +220,8 @@ def prepare_invariant_layout(
         start += num_new
     num_tokens = start
     slices: list[AttentionSlice] = []
-    for size, limit in ((PROMPT_UNIT, MAX_PROMPT_ITEMS), (1, MAX_DECODE_ITEMS)):
+    prompt_limit = MAX_PROMPT_TOKEN_PAGES // PROMPT_UNIT
+    for size, limit in ((PROMPT_UNIT, prompt_limit), (1, MAX_DECODE_ITEMS)):
         group = units[size]
         begin = 0
         while begin < len(group):
@@ -228,8 +231,11 @@ def prepare_invariant_layout(
             ):
                 max_pages = max(max_pages, len(group[end][2]))
                 end += 1
+            pages_per_item = PAGES_PER_ITEM if size == 1 else PROMPT_PAGES_PER_ITEM
             slices.append(
-                _make_slice(group[begin:end], size, max_pages, num_tokens, tokens_per_block, device)
+                _make_slice(
+                    group[begin:end], size, max_pages, pages_per_item, num_tokens, tokens_per_block, device
+                )
             )
             begin = end
     return InvariantLayout(tuple(slices))
@@ -239,13 +245,14 @@ def _make_slice(
     group: list[tuple[list[int], list[int], Sequence[int]]],
     size: int,
     max_pages: int,
+    pages_per_item: int,
     num_tokens: int,
     tokens_per_block: int,
     device: torch.device | str,
 ) -> AttentionSlice:
     token_index = [indices + [num_tokens] * (size - len(indices)) for indices, _, _ in group]
-    num_items = -(-max_pages // PAGES_PER_ITEM)
-    keys_per_item = PAGES_PER_ITEM * tokens_per_block
+    num_items = -(-max_pages // pages_per_item)
+    keys_per_item = pages_per_item * tokens_per_block
     pair_unit: list[int] = []
     pair_slot: list[int] = []
     pair_pages: list[list[int]] = []
@@ -254,10 +261,10 @@ def _make_slice(
         # A padding row sits at position 0: it sees key 0, so its softmax stays finite; never read.
         padded_positions = positions + [0] * (size - len(positions))
         for item in range(positions[-1] // keys_per_item + 1):
-            item_pages = list(pages[item * PAGES_PER_ITEM : (item + 1) * PAGES_PER_ITEM])
+            item_pages = list(pages[item * pages_per_item : (item + 1) * pages_per_item])
             pair_unit.append(unit)
             pair_slot.append(unit * num_items + item)
-            pair_pages.append(item_pages + [0] * (PAGES_PER_ITEM - len(item_pages)))
+            pair_pages.append(item_pages + [0] * (pages_per_item - len(item_pages)))
             pair_positions.append([position - item * keys_per_item for position in padded_positions])
     key_offsets = torch.arange(keys_per_item, device=device)  # [K]
     positions_tensor = torch.tensor(pair_positions, dtype=torch.long, device=device)  # [V, Q]

@@ -16,7 +16,15 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.attention import paged_attention, prepare_attention
-from engine.batch_invariant import ROW_CHUNK, invariant_linear, prepare_invariant_layout, tree_sum
+from engine.batch_invariant import (
+    PAGES_PER_ITEM,
+    PROMPT_PAGES_PER_ITEM,
+    PROMPT_UNIT,
+    ROW_CHUNK,
+    invariant_linear,
+    prepare_invariant_layout,
+    tree_sum,
+)
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 DTYPES = [torch.float32, torch.float64]
@@ -93,16 +101,16 @@ def test_attention_rows_do_not_depend_on_the_batch_or_the_chunking(dtype: torch.
 
 
 def test_attention_computes_only_the_items_a_unit_can_see() -> None:
-    """A 512-token prompt (16 units of 32 tokens, items of 128 keys): unit u sees u // 4 + 1 items,
-    40 pairs rather than 16 x 4. A decode token at position 9 next to one at 599: 1 + 5 pairs, not
-    2 x 5. The bits equal computing every item (the tests above compare such rows alone and next
-    to longer neighbours)."""
+    """A 512-token prompt (8 units of 64 tokens, items of 256 keys): unit u sees u // 4 + 1 items,
+    12 pairs rather than 8 x 2. A decode token (items of 128 keys) at position 9 next to one at
+    599: 1 + 5 pairs, not 2 x 5. The bits equal computing every item (the tests above compare such
+    rows alone and next to longer neighbours)."""
+    assert (PROMPT_UNIT, PROMPT_PAGES_PER_ITEM, PAGES_PER_ITEM) == (64, 8, 4)
     prompt = prepare_invariant_layout([(list(range(16)), 0, 512)], [False], 32, "cpu")
     (part,) = prompt.slices
-    assert part.num_items == 4 and part.pair_unit.tolist() == [
-        u for u in range(16) for _ in range(u // 4 + 1)
-    ]
-    assert part.pair_slot.tolist() == [u * 4 + i for u in range(16) for i in range(u // 4 + 1)]
+    assert part.num_items == 2 and part.hidden_keys.shape == (12, 64, 256)
+    assert part.pair_unit.tolist() == [u for u in range(8) for _ in range(u // 4 + 1)]
+    assert part.pair_slot.tolist() == [u * 2 + i for u in range(8) for i in range(u // 4 + 1)]
     decode = prepare_invariant_layout([([1], 9, 1), (list(range(2, 21)), 599, 1)], [True, True], 32, "cpu")
     (part,) = decode.slices
     assert part.num_items == 5 and part.pair_unit.tolist() == [0, 1, 1, 1, 1, 1]
