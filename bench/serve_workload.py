@@ -115,7 +115,18 @@ def describe_workload(config: WorkloadConfig, specs: Sequence[RequestSpec]) -> d
         },
         "max_new_tokens": config.max_new_tokens,
         "eos": "ignored: every beam decodes max_new_tokens (ignore_eos; transformers: no eos)",
+        "beam_tokens_total": sum(spec.num_beam_tokens for spec in specs),
+        # Throughput is counted from the first arrival to the last final message, so no system can
+        # beat all beam tokens over the arrivals' span: at a low rate this caps every ratio.
+        "arrival_ceiling_beam_tokens_per_s": arrival_ceiling(specs),
     }
+
+
+def arrival_ceiling(specs: Sequence[RequestSpec]) -> float | None:
+    """All beam tokens over the span of the arrivals: an upper bound on any system's throughput
+    (the last request cannot finish before it arrives); None when every request arrives at once."""
+    span_s = specs[-1].arrival_s - specs[0].arrival_s
+    return round(sum(spec.num_beam_tokens for spec in specs) / span_s, 3) if span_s > 0 else None
 
 
 @dataclass

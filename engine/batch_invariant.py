@@ -1,20 +1,24 @@
 """Batch-invariant kernels: a token's numbers do not depend on what else is in the batch.
 
-A plain `x @ W.T` on the CPU (MKL, oneDNN) picks its kernel and its reduction blocking from the
-number of rows: the same row gives different float32 (and float64) bits alone, next to 3 others,
-or next to 63. Attention over a padded batch has the same problem twice: the score matmul's
-blocking follows the longest key length in the batch, and so does the P @ V reduction. Measured
-on this build (torch 2.13, MKL 2024.2): a row alone (gemv) differs from the same row among 4 or
-more; a fixed-shape matmul gives the same bits for a row at any position with any neighbours, and
-a batched matmul of fixed-shape items gives every item the same bits whatever the item count.
+A plain `x @ W.T` on the CPU (MKL, oneDNN) picks its kernel from the number of rows: the same row
+gives different float32 (and float64) bits alone, next to 2 others or next to 10; in float64 the
+rows past a multiple of 4 take a remainder kernel. Attention over a padded batch
+has the same problem twice: the score matmul's blocking follows the longest key length in the
+batch, and so does the P @ V reduction. Measured on this build (torch 2.13, MKL 2024.2): one
+matmul over M rows, M a multiple of 4, gives every row the same bits at any position next to any
+rows; a fixed-shape matmul does too, and a batched matmul of fixed-shape
+items gives every item the same bits whatever the item count.
 
-So every matmul here has a shape that depends on nothing but the token's role and its own request:
-- `invariant_linear`: rows run as a batched matmul of fixed-shape [rows, in] x [in, out] items.
-  Prompt tokens (and a prompt's last row at the LM head) go PROMPT_ROW_CHUNK to an item, in any
-  grouping; a decoding request's W beams are one item of W rows, so a greedy request's row is a
-  matrix-vector product as in transformers, and a big decode batch is not padded. The grouping
-  of the forward pass in flight is a `RowLayout` that ModelRunner sets (`row_layout`); without
-  one, rows go ROW_CHUNK to an item.
+So every matmul here has a shape that depends on nothing but the token's role and its own request,
+or is one that was measured not to care:
+- `invariant_linear`: where `rows_are_independent` measured it safe (once per shape, dtype and
+  thread count, in the running process), prompt rows and beam requests' rows go through one
+  matmul padded to a multiple of MATMUL_ROW_MULTIPLE rows, and a single-row decode request's row
+  through a matrix-vector product of its own. Otherwise rows run as a batched matmul of
+  fixed-shape [rows, in] x [in, out] items: prompt tokens (and a prompt's last row at the LM head)
+  PROMPT_ROW_CHUNK to an item, in any grouping; a decoding request's W beams one item of W rows.
+  Either way the grouping of the forward pass in flight is a `RowLayout` that ModelRunner sets
+  (`row_layout`); without one, all rows are one padded matmul (or ROW_CHUNK-row items).
 - `invariant_attention`: keys and values are read straight from the block table, K keys per
   item (PAGES_PER_ITEM pages for a decode token, PROMPT_PAGES_PER_ITEM for a prompt unit).
   Queries come in units: a decode token alone (G rows per kv head), prompt tokens PROMPT_UNIT
@@ -28,8 +32,8 @@ So every matmul here has a shape that depends on nothing but the token's role an
   safe here: measured, summing a middle axis whose inner size is under 16 or so changes bits with
   the axis length and the row count.
 
-The cost is padding (a lone decode row runs as ROW_CHUNK rows) and more, smaller matmuls in
-attention; `bench serve` reports it. See docs/engine.md, "Batch invariance".
+The cost is padding (up to 3 zero rows per matmul) and more, smaller matmuls in attention;
+`bench invariance` measures it. See docs/engine.md, "Batch invariance".
 
 Dimensions: N new tokens, U query units, Q tokens per unit, P pages per unit (padded), T tokens
 per page, H query heads, Hkv kv heads, G = H / Hkv, D head dim.
@@ -37,6 +41,7 @@ per page, H query heads, Hkv kv heads, G = H / Hkv, D head dim.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -47,6 +52,7 @@ from torch import nn
 
 from engine.kv_pool import KEY, VALUE
 
+MATMUL_ROW_MULTIPLE = 4  # one plain matmul: rows padded to a multiple of 4 (see rows_are_independent)
 ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is set
 PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
 PROMPT_UNIT = 64  # prompt tokens per attention query unit
@@ -58,11 +64,16 @@ MAX_DECODE_ITEMS = 16384
 
 @dataclass(frozen=True)
 class RowGroups:
-    """How the rows of one [M, features] tensor are cut into fixed-shape matmul items."""
+    """How the rows of one [M, features] tensor are computed, both ways (see invariant_linear)."""
 
     num_rows: int
-    # (rows per item, row indices [items * rows per item]; padding points at row num_rows)
+    # Grouped: (rows per item, row indices [items * rows per item]; padding points at row num_rows)
     items: tuple[tuple[int, torch.Tensor], ...]
+    # One matmul: prompt rows and the rows of beam requests, in order (None: no such row) ...
+    matmul_rows: torch.Tensor | None
+    all_matmul: bool  # ... which are all the rows, in order
+    # ... and the rows of single-row (greedy or sampled) decode requests: a matrix-vector product each
+    single_rows: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -133,20 +144,95 @@ def _row_groups(
         (size, torch.tensor(indices, dtype=torch.long, device=device))
         for size, indices in sorted(by_size.items())
     )
-    return RowGroups(num_rows, items)
+    single = [rows[0] for rows in decode_items if len(rows) == 1]
+    matmul = sorted(prompt_rows + [row for rows in decode_items if len(rows) > 1 for row in rows])
+    return RowGroups(
+        num_rows,
+        items,
+        matmul_rows=torch.tensor(matmul, dtype=torch.long, device=device) if matmul else None,
+        all_matmul=len(matmul) == num_rows,
+        single_rows=torch.tensor(single, dtype=torch.long, device=device) if single else None,
+    )
 
 
 def _default_groups(num_rows: int, device: torch.device) -> RowGroups:
     num_chunks = -(-num_rows // ROW_CHUNK)
     indices = list(range(num_rows)) + [num_rows] * (num_chunks * ROW_CHUNK - num_rows)
-    return RowGroups(num_rows, ((ROW_CHUNK, torch.tensor(indices, dtype=torch.long, device=device)),))
+    chunks = ((ROW_CHUNK, torch.tensor(indices, dtype=torch.long, device=device)),)
+    return RowGroups(num_rows, chunks, matmul_rows=None, all_matmul=True, single_rows=None)
+
+
+@functools.cache
+def rows_are_independent(
+    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
+) -> bool:
+    """Does one plain [M, in] x [in, out] matmul give every row the same bits for every M that is a
+    multiple of MATMUL_ROW_MULTIPLE, wherever the row sits?
+
+    Measured on this build (MKL 2024.2, 1 and 2 threads): yes for float32, float64 and bfloat16
+    (every row, M from 4 to 2100, random offsets; shapes of every model here, 32000- and
+    49152-row LM heads included); no for M of 1, 2, 3, 5, 6, 7, 9, 10, 11 (MKL's small-M kernels)
+    nor, in float64, for any M that is not a multiple of 4 (its remainder kernel). Checked here once
+    per shape, dtype and thread count in the process that runs, so a BLAS that behaves otherwise
+    gets the grouped path. GPUs always get it (cuBLAS picks split-K by shape)."""
+    if device_type != "cpu":
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    rows = torch.randn(300, in_features, generator=generator).to(dtype)
+    reference = rows @ weight.t()
+    for count, offset in (
+        (4, 0),
+        (4, 9),
+        (8, 3),
+        (12, 33),
+        (16, 1),
+        (36, 250),
+        (64, 100),
+        (100, 5),
+        (256, 44),
+    ):
+        if not torch.equal(rows[offset : offset + count] @ weight.t(), reference[offset : offset + count]):
+            return False
+    return True
+
+
+def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] -> [M, out] by one matmul over M rounded up to MATMUL_ROW_MULTIPLE rows."""
+    num_rows, in_features = rows.shape
+    padded_rows = -(-num_rows // MATMUL_ROW_MULTIPLE) * MATMUL_ROW_MULTIPLE
+    rows = rows.contiguous()
+    if padded_rows != num_rows:
+        rows = torch.cat((rows, rows.new_zeros((padded_rows - num_rows, in_features))))
+    return (rows @ weight.t())[:num_rows]
 
 
 def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """hidden [M, in] -> [M, out], each row computed inside a fixed-shape item (see RowLayout)."""
+    """hidden [M, in] -> [M, out], each row's bits independent of the other rows.
+
+    Where `rows_are_independent` measured it safe: prompt rows and beam requests' rows in one
+    matmul padded to a multiple of 4 rows (the weights are read once per step), and each
+    single-row decode request's row as a matrix-vector product (a greedy request alone is as fast
+    as in transformers; a 4-row matmul costs about 2.5x a gemv here). Otherwise each row inside a
+    fixed-shape item (see RowLayout)."""
     num_rows, in_features = hidden.shape
     layout = _ROW_LAYOUT.get()
     groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)
+    if rows_are_independent(
+        in_features, weight.shape[0], weight.dtype, hidden.device.type, torch.get_num_threads()
+    ):
+        if groups.all_matmul:
+            output = _padded_matmul(hidden, weight)
+        else:
+            output = hidden.new_empty((num_rows, weight.shape[0]))
+            if groups.matmul_rows is not None:
+                output[groups.matmul_rows] = _padded_matmul(hidden[groups.matmul_rows], weight)
+            if groups.single_rows is not None:
+                singles = hidden[groups.single_rows].unsqueeze(1)  # [n, 1, in]: one gemv each
+                output[groups.single_rows] = torch.bmm(
+                    singles, weight.t().expand(singles.shape[0], -1, -1)
+                ).squeeze(1)
+        return output if bias is None else output + bias
     padded = torch.cat((hidden, hidden.new_zeros((1, in_features))))  # row M: padding
     output = hidden.new_empty((num_rows + 1, weight.shape[0]))
     for rows_per_item, indices in groups.items:

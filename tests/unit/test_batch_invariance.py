@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams, batch_invariant
 from engine.attention import paged_attention, prepare_attention
 from engine.batch_invariant import (
     PAGES_PER_ITEM,
@@ -28,16 +28,36 @@ from engine.batch_invariant import (
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 DTYPES = [torch.float32, torch.float64]
+LINEAR_PATHS = ["one-matmul", "grouped"]
+
+
+@pytest.fixture(params=LINEAR_PATHS)
+def linear_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways invariant_linear keeps rows apart: one padded matmul where the BLAS was measured to
+    allow it (this build, so the check must say so), and the fixed-shape items it falls back to."""
+    if request.param == "grouped":
+        monkeypatch.setattr(batch_invariant, "rows_are_independent", lambda *args: False)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.bfloat16])
+def test_the_blas_here_keeps_matmul_rows_apart(dtype: torch.dtype) -> None:
+    """The measurement the one-matmul path rests on, for the shapes of the models tested here."""
+    for in_features, out_features in ((256, 384), (64, 262), (256, 512), (1024, 2816)):
+        assert batch_invariant.rows_are_independent(
+            in_features, out_features, dtype, "cpu", torch.get_num_threads()
+        )
+    assert not batch_invariant.rows_are_independent(256, 384, dtype, "cuda", 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_rows_do_not_depend_on_their_neighbours(dtype: torch.dtype) -> None:
+def test_linear_rows_do_not_depend_on_their_neighbours(dtype: torch.dtype, linear_path: str) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(384, 256, generator=generator, dtype=dtype)
     row = torch.randn(1, 256, generator=generator, dtype=dtype)
     alone = invariant_linear(row, weight, None)[0]
     torch.testing.assert_close(alone, torch.nn.functional.linear(row, weight)[0])
-    for num_rows in (2, 3, ROW_CHUNK, ROW_CHUNK + 1, 3 * ROW_CHUNK + 5, 200):
+    for num_rows in (2, 3, 13, ROW_CHUNK, ROW_CHUNK + 1, 3 * ROW_CHUNK + 5, 200, 517):
         for position in (0, num_rows // 2, num_rows - 1):
             batch = torch.randn(num_rows, 256, generator=generator, dtype=dtype)
             batch[position] = row[0]
@@ -161,7 +181,9 @@ def beams_of(output: RequestOutput) -> list[tuple[list[int], float, float]]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_requests_in_a_changing_batch_equal_their_runs_alone(model_dir: Path, dtype: str) -> None:
+def test_requests_in_a_changing_batch_equal_their_runs_alone(
+    model_dir: Path, dtype: str, linear_path: str
+) -> None:
     requests = mixed_requests()
     alone = {
         request_id: beams_of(make_engine(model_dir, dtype).generate(prompt, params))

@@ -149,6 +149,25 @@ def test_goals_compare_measured_ratios_with_their_bounds(serve: Any) -> None:
     assert goals["aggregated beam-4 KV <= shared prompt + 4 tails"]["met"] is True
 
 
+def test_the_arrival_ceiling_is_named_next_to_the_throughput_goal(serve: Any) -> None:
+    """1440 beam tokens arriving over 57.3 s: no system beats 25.1 beam tok/s, 2.24x a transformers
+    run of 11.2; the goal's text says so. Everything at once: no ceiling."""
+    specs = [
+        serve.workload.RequestSpec(0, 0.0, (5,), 4, 32, None),
+        serve.workload.RequestSpec(1, 57.3, (5,), 4, 328, None),
+    ]
+    assert serve.workload.arrival_ceiling(specs) == round(1440 / 57.3, 3)
+    report = _report(
+        {"disaggregated": 9.0, "aggregated": 7.0, "transformers": 11.2}, (1.0, 1.0), (1.0, 1.0), 20
+    )
+    report["workload"] = {"arrival_ceiling_beam_tokens_per_s": 25.131}
+    goals = {goal["goal"]: goal for goal in serve.report_rules.build_goals(report)}
+    how = goals["disaggregated throughput >= 2x transformers"]["how"]
+    assert how.endswith("the arrivals cap any system at 25.131 beam tok/s, 2.24x transformers"), how
+    at_once = [serve.workload.RequestSpec(index, 0.0, (5,), 1, 8, None) for index in range(3)]
+    assert serve.workload.arrival_ceiling(at_once) is None
+
+
 def test_an_unmeasured_goal_is_neither_met_nor_failed(serve: Any) -> None:
     report = _report({"disaggregated": 30.0, "aggregated": 30.0}, (1.0, 1.0), (None, 100.0), 20)
     goals = {goal["goal"]: goal for goal in serve.report_rules.build_goals(report)}
