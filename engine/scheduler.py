@@ -4,8 +4,9 @@ Plain Python over the KVCacheManager; the model never appears here. Each `schedu
 1. grows every decoding request's tables for its pending step (reorder beams, one slot each),
    all or nothing per call, so a request short of blocks waits and resumes where it stopped;
 2. spends the token budget (`max_num_batched_tokens`): one token per decoding beam first, then
-   the next chunk of each prompt being prefilled, oldest first; a prompt longer than what is
-   left runs that much now and the rest in later steps (chunked prefill);
+   the next chunk of each prompt being prefilled: prompts whose rest fits in one step's budget
+   first, then longer ones, oldest first within each; a prompt longer than what is left runs that
+   much now and the rest in later steps (chunked prefill);
 3. admits waiting requests first come first served while the batch has room for their beams
    (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
    running requests may still take:
@@ -173,7 +174,12 @@ class Scheduler:
                 prefilling.append(request)  # admitted, its prompt not yet whole
             elif request.state is RequestState.DECODING and self._grow(request, batch):
                 batch.decodes.append(request)
-        # Decode tokens first: a beam never waits behind a prompt. Then prompts, oldest first.
+        # Decode tokens first: a beam never waits behind a prompt. Then the prompts whose rest fits
+        # in one step's budget, then the longer ones, oldest first within each (a stable sort): a
+        # long prompt's chunks hold a short prompt back one step at most, not until they are done.
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens
+            prefilling.sort(key=lambda request: request.num_uncomputed_tokens > budget)
         for request in prefilling:
             if self._prefill_budget(batch) == 0:
                 break

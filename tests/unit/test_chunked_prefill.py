@@ -152,6 +152,41 @@ def test_beams_keep_decoding_while_a_long_prompt_is_prefilled() -> None:
     assert engine.num_blocks_in_use() == 0
 
 
+def test_a_short_prompt_does_not_wait_for_a_long_one_to_finish() -> None:
+    """A 40-token prompt arriving while a 600-token prompt is chunked at budget 64 is whole (and
+    gives its first token) in the step after it is admitted, long before the long prompt's 10
+    chunks are done; both give the beams of their runs alone."""
+    budget = 64
+    engine = make_engine(budget)
+    engine.add_request("long", prompt_of(600, 2), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.add_request(
+        "short", prompt_of(40, 9), SamplingParams(beam_width=2, max_new_tokens=3, ignore_eos=True)
+    )
+    first_token_step: dict[str, int] = {}
+    outputs: dict[str, RequestOutput] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for output in engine.step():
+            if output.new_token_ids and any(output.new_token_ids):
+                first_token_step.setdefault(output.request_id, step)
+            if output.finished:
+                outputs[output.request_id] = output
+        engine.check_integrity()
+    # Step 1 admits "short" with no budget left; step 2 runs its whole prompt first (40 tokens)
+    # and 24 of the long prompt's; the long one needs 600 / 64 steps or more in all.
+    assert first_token_step["short"] <= 2, first_token_step
+    assert first_token_step["long"] >= -(-600 // budget) - 1, first_token_step
+    for request_id, prompt, params in (
+        ("long", prompt_of(600, 2), SamplingParams(max_new_tokens=2, ignore_eos=True)),
+        ("short", prompt_of(40, 9), SamplingParams(beam_width=2, max_new_tokens=3, ignore_eos=True)),
+    ):
+        assert outputs[request_id].beams == make_engine(WHOLE).generate(prompt, params).beams
+    assert engine.num_blocks_in_use() == 0
+
+
 def test_budget_caps_every_forward() -> None:
     budget = 24
     engine = make_engine(budget)
@@ -211,9 +246,10 @@ def test_context_prefills_share_the_budget_in_chunks() -> None:
         engine.check_integrity()
         if not engine.has_unfinished():
             break
-    # 150 tokens, oldest first: [30 + 34 of p1], [64 of p1], [2 of p1 + 20 of p2].
-    assert forwards == [2, 1, 2]
-    assert done_at == {"p0": 0, "p1": 2, "p2": 2}
+    # 150 tokens: the prompts that fit in a step first (p0, p2), then p1, which does not:
+    # [30 of p0 + 20 of p2 + 14 of p1], [64 of p1], [22 of p1].
+    assert forwards == [3, 1, 1]
+    assert done_at == {"p0": 0, "p2": 0, "p1": 2}
     assert results == expected
     for request_id in expected:
         engine.release_prefill(request_id)
