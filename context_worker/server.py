@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("context")
     tls = tls_from_args(args)
     metrics = ServerMetrics("context")
-    handle = start_engine(engine_config_from_args(args), metrics)
+    handle = start_engine(engine_config_from_args(args), metrics, run_in_caller=True)
     hooks = FaultHooks.from_environment()
     agent = start_transfer_agent(handle, args, hooks)
     info = worker_info(handle)
@@ -84,4 +84,4 @@ def run(args: argparse.Namespace) -> int:
             agent.close()
             metrics.close()
 
-    return run_until_signalled(server, cleanup, args.shutdown_grace_s)
+    return run_until_signalled(server, cleanup, args.shutdown_grace_s, run_in_main=handle.loop.run_here)

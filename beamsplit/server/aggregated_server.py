@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics("aggregated")
     # The aggregated server's queue is its scheduler's: requests wait there for blocks or batch room.
     queue_limits = QueueLimits(max_num_waiting=args.max_queued_requests, max_wait_s=args.max_queue_wait_s)
-    handle = start_engine(engine_config_from_args(args), metrics, queue_limits)
+    handle = start_engine(engine_config_from_args(args), metrics, queue_limits, run_in_caller=True)
     gate = ShutdownGate()
     limits = model_limits(handle.engine)
     service = AggregatedService(handle.loop, handle.engine.tokenizer, limits, gate)
@@ -80,4 +80,4 @@ def run(args: argparse.Namespace) -> int:
         finally:
             metrics.close()
 
-    return run_until_signalled(server, cleanup, args.shutdown_grace_s)
+    return run_until_signalled(server, cleanup, args.shutdown_grace_s, run_in_main=handle.loop.run_here)

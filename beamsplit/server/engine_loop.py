@@ -5,6 +5,12 @@ The engine is not thread-safe. gRPC handler threads never call it; they hand it 
 from the `OutputStream` opened for it. The engine thread runs queued commands, then one `step()`
 when work is pending, routes each `RequestOutput` to its stream, and reports the pool occupancy
 after every iteration so metrics never have to reach into the engine.
+
+Servers run the loop on their main thread (`run_here`), the thread that loaded the model: torch's
+OpenMP pool belongs to the thread that calls into it, and a second pool (the main thread's, from
+loading) made every step of an engine on its own thread slower. Measured on the 156M model, one
+greedy request, median ms per token: main thread 36 to 46, engine thread alone 42 to 54, engine
+thread after the main thread ran one parallel op 53 to 73 (docs/service.md, "The engine thread").
 """
 
 from __future__ import annotations
@@ -58,10 +64,23 @@ class EngineLoop:
         self._streams: dict[str, OutputStream] = {}
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._exited = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._runs_in_caller = False
 
     def start(self) -> None:
+        """Runs the loop on a thread of its own."""
         self._thread.start()
+
+    def will_run_here(self) -> None:
+        """Accept commands now; the caller's thread enters `run_here` soon."""
+        self._runs_in_caller = True
+
+    def run_here(self) -> None:
+        """Runs the loop on the calling thread until `stop`."""
+        self._runs_in_caller = True
+        self._thread = threading.current_thread()
+        self._run()
 
     @property
     def num_pending_commands(self) -> int:
@@ -70,7 +89,9 @@ class EngineLoop:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        if self._stopping.is_set() or self._exited.is_set():
+            return False
+        return self._runs_in_caller or self._thread.is_alive()
 
     def submit(self, function: Callable[[Any], ResultT]) -> Future[ResultT]:
         future: Future[ResultT] = Future()
@@ -101,18 +122,23 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=timeout_s)
+        if threading.current_thread() is self._thread:
+            return
+        if self._runs_in_caller or self._thread.is_alive():
+            self._exited.wait(timeout=timeout_s)
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._run_commands(block=not self._has_work())
-            if self._has_work():
-                self._step()
-            self._report()
-        # Commands that raced with stop() must not leave their callers waiting for the full bound.
-        self._run_commands(block=False)
-        self._fail_all_streams()
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self._has_work())
+                if self._has_work():
+                    self._step()
+                self._report()
+            # Commands that raced with stop() must not leave their callers waiting for the full bound.
+            self._run_commands(block=False)
+            self._fail_all_streams()
+        finally:
+            self._exited.set()
 
     def _has_work(self) -> bool:
         try:

@@ -142,13 +142,42 @@ def start_grpc_server(
     return GrpcServer(server, health_servicer, bound_port, gate)
 
 
-def run_until_signalled(grpc_server: GrpcServer, cleanup: Callable[[], None], grace_s: float) -> int:
-    """Blocks the main thread until SIGTERM/SIGINT, then shuts down in the documented order."""
+def run_until_signalled(
+    grpc_server: GrpcServer,
+    cleanup: Callable[[], None],
+    grace_s: float,
+    run_in_main: Callable[[], None] | None = None,
+) -> int:
+    """Serves until SIGTERM/SIGINT, then shuts down in the documented order.
+
+    run_in_main: work for the main thread meanwhile (an engine loop, which `cleanup` ends); the
+    shutdown then runs on a thread of its own, so the engine keeps stepping while calls drain.
+    Should that work end on its own, the server shuts down as if signalled."""
     stop = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
+    if run_in_main is None:
+        while not stop.wait(0.5):
+            pass
+        _shut_down(grpc_server, cleanup, grace_s)
+        return 0
+
+    def shut_down_when_signalled() -> None:
+        while not stop.wait(0.5):
+            pass
+        _shut_down(grpc_server, cleanup, grace_s)
+
+    shutdown = threading.Thread(target=shut_down_when_signalled, name="shutdown", daemon=True)
+    shutdown.start()
+    try:
+        run_in_main()
+    finally:
+        stop.set()
+        shutdown.join(timeout=grace_s + 30.0)
+    return 0
+
+
+def _shut_down(grpc_server: GrpcServer, cleanup: Callable[[], None], grace_s: float) -> None:
     logger.info("shutting down: draining %d in-flight calls", grpc_server.gate.num_in_flight)
     grpc_server.health.enter_graceful_shutdown()
     if not grpc_server.gate.drain(grace_s):
@@ -156,7 +185,6 @@ def run_until_signalled(grpc_server: GrpcServer, cleanup: Callable[[], None], gr
     grpc_server.server.stop(grace=1.0).wait(timeout=5.0)
     cleanup()
     logger.info("stopped")
-    return 0
 
 
 # A channel to a peer that is still starting retries with gRPC's default backoff (1 s growing 1.6x to

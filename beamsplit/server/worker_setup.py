@@ -46,9 +46,14 @@ class ModelLoadError(Exception):
 
 
 def start_engine(
-    config: EngineConfig, metrics: ServerMetrics, queue_limits: QueueLimits | None = None
+    config: EngineConfig,
+    metrics: ServerMetrics,
+    queue_limits: QueueLimits | None = None,
+    run_in_caller: bool = False,
 ) -> EngineHandle:
-    """queue_limits: bounds on the scheduler's waiting queue (the aggregated server's queue)."""
+    """queue_limits: bounds on the scheduler's waiting queue (the aggregated server's queue).
+    run_in_caller: the loop takes commands now, and the caller's thread (which loaded the model)
+    runs it later with `handle.loop.run_here()`; otherwise it starts on a thread of its own."""
     from engine import LLMEngine
 
     try:
@@ -60,7 +65,10 @@ def start_engine(
     metrics.observe_engine(engine)
     loop = EngineLoop(engine, on_iteration=metrics.observe_engine)
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
-    loop.start()
+    if run_in_caller:
+        loop.will_run_here()
+    else:
+        loop.start()
     return EngineHandle(engine=engine, loop=loop, config=config)
 
 
