@@ -40,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("generation")
     tls = tls_from_args(args)
     metrics = ServerMetrics("generation")
-    handle = start_engine(engine_config_from_args(args), metrics, run_in_caller=True)
     hooks = FaultHooks.from_environment()
+    handle = start_engine(
+        engine_config_from_args(args), metrics, run_in_caller=True, step_delay_s=hooks.step_delay_s
+    )
     agent = start_transfer_agent(handle, args, hooks)
     info = worker_info(handle)
     layout = LocalLayout(

@@ -9,6 +9,7 @@ from beamsplit.cli.engine_args import engine_config_from_args
 from beamsplit.cli.security_args import load_token
 from beamsplit.server.aggregated import AggregatedService
 from beamsplit.server.client_api_servicer import ClientApiServicer
+from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.http_front import OpenAIFront, start_http_front
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import (
@@ -35,7 +36,13 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics("aggregated")
     # The aggregated server's queue is its scheduler's: requests wait there for blocks or batch room.
     queue_limits = QueueLimits(max_num_waiting=args.max_queued_requests, max_wait_s=args.max_queue_wait_s)
-    handle = start_engine(engine_config_from_args(args), metrics, queue_limits, run_in_caller=True)
+    handle = start_engine(
+        engine_config_from_args(args),
+        metrics,
+        queue_limits,
+        run_in_caller=True,
+        step_delay_s=FaultHooks.from_environment().step_delay_s,
+    )
     gate = ShutdownGate()
     limits = model_limits(handle.engine)
     service = AggregatedService(handle.loop, handle.engine.tokenizer, limits, gate)

@@ -56,10 +56,13 @@ class EngineLoop:
         on_iteration: Callable[[Any], None] | None = None,
         idle_wait_s: float = 0.02,
         name: str = "engine",
+        step_delay_s: float = 0.0,
     ) -> None:
+        """step_delay_s: a test hook (BEAMSPLIT_TEST_STEP_DELAY_S): sleep after each step."""
         self._engine = engine
         self._on_iteration = on_iteration
         self._idle_wait_s = idle_wait_s
+        self._step_delay_s = step_delay_s
         self._commands: queue.Queue[tuple[Callable[[Any], Any], Future[Any]]] = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
         self._streams_lock = threading.Lock()
@@ -133,6 +136,8 @@ class EngineLoop:
                 self._run_commands(block=not self._has_work())
                 if self._has_work():
                     self._step()
+                    if self._step_delay_s > 0:
+                        time.sleep(self._step_delay_s)
                 self._report()
             # Commands that raced with stop() must not leave their callers waiting for the full bound.
             self._run_commands(block=False)

@@ -50,10 +50,12 @@ def start_engine(
     metrics: ServerMetrics,
     queue_limits: QueueLimits | None = None,
     run_in_caller: bool = False,
+    step_delay_s: float = 0.0,
 ) -> EngineHandle:
     """queue_limits: bounds on the scheduler's waiting queue (the aggregated server's queue).
     run_in_caller: the loop takes commands now, and the caller's thread (which loaded the model)
-    runs it later with `handle.loop.run_here()`; otherwise it starts on a thread of its own."""
+    runs it later with `handle.loop.run_here()`; otherwise it starts on a thread of its own.
+    step_delay_s: the test hook of that name (FaultHooks)."""
     from engine import LLMEngine
 
     try:
@@ -63,7 +65,7 @@ def start_engine(
     config = engine.config  # the pool size is settled once the model is loaded
     metrics.kv_blocks_total.set(config.cache.num_blocks)
     metrics.observe_engine(engine)
-    loop = EngineLoop(engine, on_iteration=metrics.observe_engine)
+    loop = EngineLoop(engine, on_iteration=metrics.observe_engine, step_delay_s=step_delay_s)
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
     if run_in_caller:
         loop.will_run_here()

@@ -35,6 +35,7 @@ HOLD = common_pb2.SamplingOptions(beam_width=1, max_new_tokens=900, ignore_eos=T
 SHORT_BEAMS = common_pb2.SamplingOptions(beam_width=2, max_new_tokens=4)
 PREFIX = [(5 + 3 * index) % 250 for index in range(128)]  # 4 full blocks of 32
 BOUND_S = 30.0  # every wait for a state in these tests
+STEP_DELAY_S = 0.01  # generation workers' test hook: a FILL or a HOLD lasts 6 to 9 s at least
 
 
 def prompt(offset: int, length: int = 67) -> list[int]:
@@ -65,11 +66,20 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     try:
         context = group.start("context", "context", [*DEFAULT_ENGINE_ARGUMENTS])
         pool = [*DEFAULT_ENGINE_ARGUMENTS, "--num-blocks", "40"]
+        # A FILL decodes 600 steps: at 10 ms each it holds the pool for 6 s at least, however fast
+        # the host (1.1 s undelayed here, which let a request meant to expire in the queue run).
+        slow = {"BEAMSPLIT_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}
         gen_a = group.start(
-            "generation-a", "generation", [*pool, "--max-queued-requests", "1", "--max-queue-wait-s", "120"]
+            "generation-a",
+            "generation",
+            [*pool, "--max-queued-requests", "1", "--max-queue-wait-s", "120"],
+            env=slow,
         )
         gen_b = group.start(
-            "generation-b", "generation", [*pool, "--max-queued-requests", "4", "--max-queue-wait-s", "1.5"]
+            "generation-b",
+            "generation",
+            [*pool, "--max-queued-requests", "4", "--max-queue-wait-s", "1.5"],
+            env=slow,
         )
         queue = group.start(
             "coordinator-queue",

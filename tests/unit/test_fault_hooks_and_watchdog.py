@@ -19,10 +19,11 @@ def test_hooks_are_off_unless_set() -> None:
             "BEAMSPLIT_TEST_PREFILL_DELAY_S": "1.5",
             "BEAMSPLIT_TEST_PULL_DELAY_S": "0.5",
             "BEAMSPLIT_TEST_SERVE_DELAY_S": "2",
+            "BEAMSPLIT_TEST_STEP_DELAY_S": "0.01",
             "BEAMSPLIT_TEST_WEDGE_ON_SIGUSR1": "1",
         }
     )
-    assert hooks == FaultHooks(1.5, 0.5, 2.0, True)
+    assert hooks == FaultHooks(1.5, 0.5, 2.0, 0.01, True)
     with pytest.raises(ValueError, match="serve_delay_s"):
         FaultHooks.from_environment({"BEAMSPLIT_TEST_SERVE_DELAY_S": "-1"})
 
