@@ -41,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     metrics = ServerMetrics("generation")
     hooks = FaultHooks.from_environment()
-    handle = start_engine(
-        engine_config_from_args(args), metrics, run_in_caller=True, step_delay_s=hooks.step_delay_s
-    )
+    handle = start_engine(engine_config_from_args(args), metrics, step_delay_s=hooks.step_delay_s)
     agent = start_transfer_agent(handle, args, hooks)
     info = worker_info(handle)
     layout = LocalLayout(
@@ -92,4 +90,6 @@ def run(args: argparse.Namespace) -> int:
             agent.close()
             metrics.close()
 
-    return run_until_signalled(server, cleanup, args.shutdown_grace_s, run_in_main=handle.loop.run_here)
+    # The workers keep the engine on a thread of its own (docs/service.md, "The engine thread"):
+    # two worker processes on one host's cores did worse with the main thread's busy OpenMP pool.
+    return run_until_signalled(server, cleanup, args.shutdown_grace_s)

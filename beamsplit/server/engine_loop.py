@@ -6,11 +6,12 @@ from the `OutputStream` opened for it. The engine thread runs queued commands, t
 when work is pending, routes each `RequestOutput` to its stream, and reports the pool occupancy
 after every iteration so metrics never have to reach into the engine.
 
-Servers run the loop on their main thread (`run_here`), the thread that loaded the model: torch's
-OpenMP pool belongs to the thread that calls into it, and a second pool (the main thread's, from
-loading) made every step of an engine on its own thread slower. Measured on the 156M model, one
-greedy request, median ms per token: main thread 36 to 46, engine thread alone 42 to 54, engine
-thread after the main thread ran one parallel op 53 to 73 (docs/service.md, "The engine thread").
+The aggregated server runs the loop on its main thread (`run_here`), the thread that loaded the
+model: torch's OpenMP pool belongs to the thread that calls into it, and a second pool (the main
+thread's, from loading) made every step of an engine on its own thread slower. Measured on the
+156M model, one greedy request, median ms per token: main thread 36 to 46, engine thread alone
+42 to 54, engine thread after the main thread ran one parallel op 53 to 73. The workers keep
+their own engine thread (docs/service.md, "The engine thread").
 """
 
 from __future__ import annotations
