@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from beamsplit.cli.status import fetch_status
 from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import ProcessGroup, ServerProcess
 from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS
 from beamsplit.v1 import common_pb2
+from tests.helpers.routing import wait_until_coordinator_sees_every_worker
 
 PROMPT = list(range(10, 77))  # 67 tokens: 2 full blocks and a tail
 FITS_SMALL = common_pb2.SamplingOptions(beam_width=2, max_new_tokens=4)  # 2 + 2 * 1 = 4 blocks
@@ -63,18 +63,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolDeploym
     finally:
         codes = group.stop_all()
     assert set(codes.values()) == {0}, codes
-
-
-def wait_until_coordinator_sees_every_worker(address: str, num_workers: int, timeout_s: float = 30.0) -> None:
-    """The coordinator serves once one worker of each role answered; the tests below need its
-    probes to have found every worker healthy, or the small worker may not be tried first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        workers = fetch_status(address, 5.0).workers
-        if len(workers) == num_workers and all(worker.healthy for worker in workers):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"coordinator still sees {fetch_status(address, 5.0).workers}")
 
 
 def wait_empty(deployment: PoolDeployment, since: float, what: str) -> None:

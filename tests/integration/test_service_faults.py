@@ -19,6 +19,7 @@ from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import ProcessGroup, ServerProcess
 from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.helpers.routing import wait_until_coordinator_sees_every_worker
 
 LONG = common_pb2.SamplingOptions(beam_width=4, max_new_tokens=2000, ignore_eos=True)
 SHORT = common_pb2.SamplingOptions(beam_width=2, max_new_tokens=4)
@@ -63,6 +64,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         )
         for server in (context, *generations, coordinator, short_lease):
             group.wait_healthy(server, 180.0)
+        # Routing by load needs both generation workers probed healthy, not just the first.
+        wait_until_coordinator_sees_every_worker(coordinator.address, 3)
         yield Deployment(group, context, generations, coordinator, short_lease)
     finally:
         codes = group.stop_all()
