@@ -19,24 +19,27 @@ or is one that was measured not to care:
   PROMPT_ROW_CHUNK to an item, in any grouping; a decoding request's W beams one item of W rows.
   Either way the grouping of the forward pass in flight is a `RowLayout` that ModelRunner sets
   (`row_layout`); without one, all rows are one padded matmul (or ROW_CHUNK-row items).
-- `invariant_attention`: keys and values are read straight from the block table, K keys per
-  item (PAGES_PER_ITEM pages for a decode token, PROMPT_PAGES_PER_ITEM for a prompt unit).
-  Queries come in units: a decode token alone (G rows per kv head), prompt tokens PROMPT_UNIT
-  tokens at a time (G * PROMPT_UNIT rows). A token's role, not the
-  batch, decides its unit size, so a prompt token computed in a chunk, after a reused prefix or
-  next to other prompts gives the same bits. Scores [rows, D] x [D, K] and P @ V [rows, K] x
-  [K, D + 1] (a column of ones carries the softmax denominator) are fixed-shape items; the row
-  maximum is exact in any order. The items are summed by `tree_sum`: a pairwise tree with a fixed
-  leaf for each item, so items past a row's position (or padding up to the batch's longest
-  context) only ever add exact zeros. torch's own `sum` is not
-  safe here: measured, summing a middle axis whose inner size is under 16 or so changes bits with
-  the axis length and the row count.
+- `invariant_attention`, prompt tokens: in units of PROMPT_UNIT aligned to positions; unit k
+  holds the queries of positions [64 k, 64 k + 64) (those not in this pass are padding rows) and
+  reads keys [0, 64 k + 64) from one gathered copy of its sequence's pages. Its two matmuls,
+  scores [Hkv, 64 G, D] x [Hkv, D, 64 k + 64] and P @ V [Hkv, 64 G, 64 k + 64] x
+  [Hkv, 64 k + 64, D + 1] (a column of ones carries the softmax denominator), have shapes and
+  strides that follow from k alone, so a prompt token computed whole, in a chunk that starts on
+  or off a unit boundary, after a reused prefix or next to other prompts gives the same bits.
+  Keys past a row's position are masked to -inf before the row maximum (exact in any order).
+- `invariant_attention`, decode tokens: a decode token alone (G rows per kv head) against items of
+  PAGES_PER_ITEM pages read straight from the block table; scores [G, D] x [D, K] and P @ V
+  [G, K] x [K, D + 1] are fixed-shape items of one batched matmul, and the items are summed by
+  `tree_sum`: a pairwise tree with a fixed leaf for each item, so items past a token's position
+  (or padding up to the batch's longest context) only ever add exact zeros. torch's own `sum`
+  is not safe here: measured, summing a middle axis whose inner size is under 16 or so changes
+  bits with the axis length and the row count.
 
-The cost is padding (up to 3 zero rows per matmul) and more, smaller matmuls in attention;
-`bench invariance` measures it. See docs/engine.md, "Batch invariance".
+The cost is padding (up to 3 zero rows per linear matmul, up to 63 query rows per prompt
+sequence and pass) and smaller matmuls for decode attention; `bench invariance` measures it. See docs/engine.md, "Batch invariance".
 
-Dimensions: N new tokens, U query units, Q tokens per unit, P pages per unit (padded), T tokens
-per page, H query heads, Hkv kv heads, G = H / Hkv, D head dim.
+Dimensions: N new tokens, U query units, Q tokens per unit, P pages, T tokens per page, H query
+heads, Hkv kv heads, G = H / Hkv, D head dim.
 """
 
 from __future__ import annotations
@@ -55,10 +58,8 @@ from engine.kv_pool import KEY, VALUE
 MATMUL_ROW_MULTIPLE = 4  # one plain matmul: rows padded to a multiple of 4 (see rows_are_independent)
 ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is set
 PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
-PROMPT_UNIT = 64  # prompt tokens per attention query unit
-PROMPT_PAGES_PER_ITEM = 8  # keys of one prompt unit's attention item: 8 pages (256 keys at T = 32)
+PROMPT_UNIT = 64  # prompt queries per attention unit, aligned to positions (unit k: [64 k, 64 k + 64))
 PAGES_PER_ITEM = 4  # keys of one decode token's attention item: 4 pages (128 keys at T = 32)
-MAX_PROMPT_TOKEN_PAGES = 32768  # query tokens x pages per prompt slice: bounds the scores' memory
 MAX_DECODE_ITEMS = 16384
 
 
@@ -263,11 +264,11 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
 
 @dataclass(frozen=True)
 class AttentionSlice:
-    """Query units of one shape that are computed together (one slice bounds the memory).
+    """Decode tokens that are computed together (one slice bounds the memory).
 
     Only the (unit, item) pairs a unit can see are computed: an item wholly past a unit's last
-    position (causal, or padding up to the slice's longest context) would add exact zeros, so it
-    is left out and its place in the tree sum holds zeros (same bits, less work)."""
+    position (padding up to the slice's longest context) would add exact zeros, so it is left out
+    and its place in the tree sum holds zeros (same bits, less work)."""
 
     token_index: torch.Tensor  # [U, Q] index into the N new tokens; padding points at row N
     num_items: int  # I: items of the slice's longest unit
@@ -278,8 +279,20 @@ class AttentionSlice:
 
 
 @dataclass(frozen=True)
+class PromptSequence:
+    """One sequence's prompt tokens in a forward pass, in units aligned to positions: unit k holds
+    the queries of positions [k * PROMPT_UNIT, (k + 1) * PROMPT_UNIT) and reads keys
+    [0, (k + 1) * PROMPT_UNIT). Every shape a prompt token meets is a function of its position."""
+
+    pages: torch.Tensor  # [P] pages of keys [0, the last unit's end) (block 0 past the sequence's own)
+    unit_ends: tuple[int, ...]  # (k + 1) * PROMPT_UNIT for each unit, in order
+    token_index: torch.Tensor  # [units, PROMPT_UNIT] new-token row of each position; N if not new
+
+
+@dataclass(frozen=True)
 class InvariantLayout:
-    slices: tuple[AttentionSlice, ...]
+    slices: tuple[AttentionSlice, ...]  # decode tokens
+    prompts: tuple[PromptSequence, ...] = ()
 
 
 def prepare_invariant_layout(
@@ -289,69 +302,84 @@ def prepare_invariant_layout(
     device: torch.device | str,
 ) -> InvariantLayout:
     """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention."""
-    # (unit size, [(token indices, positions, block ids)]) per shape
-    units: dict[int, list[tuple[list[int], list[int], Sequence[int]]]] = {1: [], PROMPT_UNIT: []}
+    num_tokens = sum(num_new for _, _, num_new in seqs)
+    # (token indices, positions, block ids) of each decode token
+    decode_units: list[tuple[list[int], list[int], Sequence[int]]] = []
+    prompts: list[PromptSequence] = []
     start = 0
     for (block_ids, num_cached, num_new), decode in zip(seqs, is_decode, strict=True):
-        size = 1 if decode else PROMPT_UNIT
-        if decode and num_new != 1:
-            raise ValueError(f"a decode sequence feeds one token, got {num_new}")
-        for first in range(0, num_new, size):
-            count = min(size, num_new - first)
-            positions = list(range(num_cached + first, num_cached + first + count))
-            num_pages = positions[-1] // tokens_per_block + 1
-            units[size].append(
-                (list(range(start + first, start + first + count)), positions, block_ids[:num_pages])
+        if decode:
+            if num_new != 1:
+                raise ValueError(f"a decode sequence feeds one token, got {num_new}")
+            decode_units.append(([start], [num_cached], block_ids[: num_cached // tokens_per_block + 1]))
+        else:
+            prompts.append(
+                _prompt_sequence(block_ids, num_cached, num_new, start, num_tokens, tokens_per_block, device)
             )
         start += num_new
-    num_tokens = start
     slices: list[AttentionSlice] = []
-    prompt_limit = MAX_PROMPT_TOKEN_PAGES // PROMPT_UNIT
-    for size, limit in ((PROMPT_UNIT, prompt_limit), (1, MAX_DECODE_ITEMS)):
-        group = units[size]
-        begin = 0
-        while begin < len(group):
-            end, max_pages = begin, 0
-            while end < len(group) and (end - begin + 1) * max(max_pages, len(group[end][2])) <= max(
-                limit, len(group[end][2])
-            ):
-                max_pages = max(max_pages, len(group[end][2]))
-                end += 1
-            pages_per_item = PAGES_PER_ITEM if size == 1 else PROMPT_PAGES_PER_ITEM
-            slices.append(
-                _make_slice(
-                    group[begin:end], size, max_pages, pages_per_item, num_tokens, tokens_per_block, device
-                )
-            )
-            begin = end
-    return InvariantLayout(tuple(slices))
+    begin = 0
+    while begin < len(decode_units):
+        end, max_pages = begin, 0
+        while end < len(decode_units) and (end - begin + 1) * max(
+            max_pages, len(decode_units[end][2])
+        ) <= max(MAX_DECODE_ITEMS, len(decode_units[end][2])):
+            max_pages = max(max_pages, len(decode_units[end][2]))
+            end += 1
+        slices.append(_make_slice(decode_units[begin:end], max_pages, tokens_per_block, device))
+        begin = end
+    return InvariantLayout(tuple(slices), tuple(prompts))
+
+
+def _prompt_sequence(
+    block_ids: Sequence[int],
+    num_cached: int,
+    num_new: int,
+    start: int,
+    num_tokens: int,
+    tokens_per_block: int,
+    device: torch.device | str,
+) -> PromptSequence:
+    first_unit, last_unit = num_cached // PROMPT_UNIT, (num_cached + num_new - 1) // PROMPT_UNIT
+    unit_ends = tuple((unit + 1) * PROMPT_UNIT for unit in range(first_unit, last_unit + 1))
+    # Keys up to the last unit's end; the pages past the sequence's own hold keys that only
+    # positions past its new tokens could see (masked for every real row).
+    num_pages = -(-unit_ends[-1] // tokens_per_block)
+    pages = list(block_ids[:num_pages]) + [0] * max(0, num_pages - len(block_ids))
+    token_index = [
+        [
+            start + position - num_cached if num_cached <= position < num_cached + num_new else num_tokens
+            for position in range(end - PROMPT_UNIT, end)
+        ]
+        for end in unit_ends
+    ]
+    return PromptSequence(
+        pages=torch.tensor(pages, dtype=torch.long, device=device),
+        unit_ends=unit_ends,
+        token_index=torch.tensor(token_index, dtype=torch.long, device=device),
+    )
 
 
 def _make_slice(
     group: list[tuple[list[int], list[int], Sequence[int]]],
-    size: int,
     max_pages: int,
-    pages_per_item: int,
-    num_tokens: int,
     tokens_per_block: int,
     device: torch.device | str,
 ) -> AttentionSlice:
-    token_index = [indices + [num_tokens] * (size - len(indices)) for indices, _, _ in group]
-    num_items = -(-max_pages // pages_per_item)
-    keys_per_item = pages_per_item * tokens_per_block
+    token_index = [indices for indices, _, _ in group]
+    num_items = -(-max_pages // PAGES_PER_ITEM)
+    keys_per_item = PAGES_PER_ITEM * tokens_per_block
     pair_unit: list[int] = []
     pair_slot: list[int] = []
     pair_pages: list[list[int]] = []
     pair_positions: list[list[int]] = []
     for unit, (_, positions, pages) in enumerate(group):
-        # A padding row sits at position 0: it sees key 0, so its softmax stays finite; never read.
-        padded_positions = positions + [0] * (size - len(positions))
         for item in range(positions[-1] // keys_per_item + 1):
-            item_pages = list(pages[item * pages_per_item : (item + 1) * pages_per_item])
+            item_pages = list(pages[item * PAGES_PER_ITEM : (item + 1) * PAGES_PER_ITEM])
             pair_unit.append(unit)
             pair_slot.append(unit * num_items + item)
-            pair_pages.append(item_pages + [0] * (pages_per_item - len(item_pages)))
-            pair_positions.append([position - item * keys_per_item for position in padded_positions])
+            pair_pages.append(item_pages + [0] * (PAGES_PER_ITEM - len(item_pages)))
+            pair_positions.append([position - item * keys_per_item for position in positions])
     key_offsets = torch.arange(keys_per_item, device=device)  # [K]
     positions_tensor = torch.tensor(pair_positions, dtype=torch.long, device=device)  # [V, Q]
     return AttentionSlice(
@@ -381,56 +409,113 @@ def invariant_attention(
     """query [N, H, D] (rotary applied), kv_layer [blocks, 2, T, Hkv, D] holding the new tokens'
     K/V -> [N, H, D]; see the module docstring for why every shape is fixed."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = kv_layer.shape[3]
-    group = num_heads // num_kv_heads
-    softmax_dtype = torch.promote_types(query.dtype, torch.float32)
     padded_query = torch.cat((query, query.new_zeros((1, num_heads, head_dim))))  # row N: padding
     output = query.new_empty((num_tokens + 1, num_heads, head_dim))
-    # The softmax denominator rides in the P @ V matmul as a column of ones (a fixed-shape sum),
-    # except for bfloat16, whose output would round it: summed by tree_sum in float32 there.
-    denominator_in_matmul = query.dtype != torch.bfloat16
     for part in layout.slices:
-        num_units, unit_size = part.token_index.shape
-        num_pairs, _, keys_per_item = part.hidden_keys.shape
-        rows = group * unit_size
-        unit_query = (padded_query[part.token_index] * scale).view(
-            num_units, unit_size, num_kv_heads, group, head_dim
+        _decode_attention(padded_query, kv_layer, part, scale, output)
+    for prompt in layout.prompts:
+        _prompt_attention(padded_query, kv_layer, prompt, scale, output)
+    return output[:num_tokens]
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _with_ones_column(values: torch.Tensor) -> torch.Tensor:
+    """The softmax denominator rides in the P @ V matmul as a column of ones (a fixed-shape sum),
+    except for bfloat16, whose output would round it (summed in float32 there instead)."""
+    if values.dtype == torch.bfloat16:
+        return values
+    return torch.cat((values, values.new_ones((*values.shape[:-1], 1))), dim=-1)
+
+
+def _prompt_attention(
+    padded_query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    prompt: PromptSequence,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Unit by unit: scores [Hkv, Q G, end] and P @ V [Hkv, Q G, end] x [Hkv, end, D + 1], where
+    end = (k + 1) * Q for unit k. The keys and values are one gathered copy of the sequence's
+    pages whose strides do not depend on its length, so a unit's matmuls are the same calls
+    whatever else is in the pass (an earlier chunk, a reused prefix, other prompts)."""
+    num_heads, head_dim = padded_query.shape[1:]
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    dtype, softmax_dtype = padded_query.dtype, _softmax_dtype(padded_query.dtype)
+    keys = kv_layer[:, KEY][prompt.pages].flatten(0, 1)  # [P T, Hkv, D] in position order
+    values = _with_ones_column(kv_layer[:, VALUE][prompt.pages].flatten(0, 1))  # [P T, Hkv, D (+ 1)]
+    offsets = torch.arange(PROMPT_UNIT, device=padded_query.device)
+    causal = (offsets[None, :] > offsets[:, None])[:, None, :]  # [Q, 1, Q]: key past the query's position
+    for end, token_index in zip(prompt.unit_ends, prompt.token_index, strict=True):
+        unit_query = (padded_query[token_index] * scale).view(PROMPT_UNIT, num_kv_heads, group, head_dim)
+        unit_query = unit_query.transpose(0, 1).reshape(num_kv_heads, PROMPT_UNIT * group, head_dim)
+        scores = torch.bmm(unit_query, keys[:end].permute(1, 2, 0)).to(softmax_dtype)  # [Hkv, Q G, end]
+        scores.view(num_kv_heads, PROMPT_UNIT, group, end)[..., end - PROMPT_UNIT :].masked_fill_(
+            causal, float("-inf")
         )
-        unit_query = unit_query.permute(0, 2, 3, 1, 4)  # [U, Hkv, G, Q, D]
-        pair_query = unit_query[part.pair_unit].reshape(num_pairs * num_kv_heads, rows, head_dim)
-        # An item's PAGES_PER_ITEM pages hold its keys_per_item keys in position order.
-        item_shape = (num_pairs, keys_per_item, num_kv_heads, head_dim)
-        keys = kv_layer[:, KEY][part.pair_pages].view(item_shape).permute(0, 2, 3, 1)  # [V, Hkv, D, K]
-        values = kv_layer[:, VALUE][part.pair_pages].view(item_shape).permute(0, 2, 1, 3)  # [V, Hkv, K, D]
-        if denominator_in_matmul:
-            values = torch.cat((values, values.new_ones((*values.shape[:-1], 1))), dim=-1)
-        keys = keys.reshape(num_pairs * num_kv_heads, head_dim, keys_per_item)
-        values = values.reshape(num_pairs * num_kv_heads, keys_per_item, -1)
-        scores = torch.bmm(pair_query, keys).view(num_pairs, num_kv_heads, group, unit_size, keys_per_item)
-        scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[:, None, None], float("-inf"))
-        # The row maximum over a unit's pairs: exact in any order.
-        item_max = scores.new_full(
-            (num_units * part.num_items, num_kv_heads, group, unit_size), float("-inf")
-        )
-        item_max[part.pair_slot] = scores.amax(dim=-1)
-        unit_max = item_max.view(num_units, part.num_items, num_kv_heads, group, unit_size).amax(dim=1)
-        weights = scores.sub_(unit_max[part.pair_unit][..., None]).exp_()  # hidden keys exactly 0
-        partial = torch.bmm(
-            weights.to(query.dtype).view(num_pairs * num_kv_heads, rows, keys_per_item), values
-        )
-        leaves = partial.new_zeros(
-            (num_units * part.num_items, num_kv_heads, group, unit_size, partial.shape[-1])
-        )
-        leaves[part.pair_slot] = partial.view(num_pairs, num_kv_heads, group, unit_size, -1)
-        summed = tree_sum(leaves.view(num_units, part.num_items, num_kv_heads, group, unit_size, -1), dim=1)
-        if denominator_in_matmul:
+        weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # hidden keys exactly 0
+        summed = torch.bmm(weights.to(dtype), values[:end].transpose(0, 1))  # [Hkv, Q G, D (+ 1)]
+        if summed.shape[-1] > head_dim:
             numerator, denominator = summed[..., :head_dim], summed[..., head_dim:]
         else:
-            weight_leaves = weights.new_zeros((num_units * part.num_items, num_kv_heads, group, unit_size))
-            weight_leaves[part.pair_slot] = tree_sum(weights, dim=-1)
-            weight_leaves = weight_leaves.view(num_units, part.num_items, num_kv_heads, group, unit_size)
-            numerator, denominator = summed, tree_sum(weight_leaves, dim=1)[..., None]
-        unit_output = (numerator.to(softmax_dtype) / denominator).to(query.dtype)  # [U, Hkv, G, Q, D]
-        unit_output = unit_output.permute(0, 3, 1, 2, 4).reshape(num_units * unit_size, num_heads, head_dim)
-        output[part.token_index.reshape(-1)] = unit_output
-    return output[:num_tokens]
+            numerator, denominator = summed, weights.sum(dim=-1, keepdim=True)
+        unit_output = (numerator.to(softmax_dtype) / denominator).to(dtype)  # [Hkv, Q G, D]
+        output[token_index] = (
+            unit_output.view(num_kv_heads, PROMPT_UNIT, group, head_dim)
+            .transpose(0, 1)
+            .reshape(PROMPT_UNIT, num_heads, head_dim)
+        )
+
+
+def _decode_attention(
+    padded_query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    part: AttentionSlice,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Decode tokens against fixed items of PAGES_PER_ITEM pages, summed by tree_sum."""
+    num_heads, head_dim = padded_query.shape[1:]
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    dtype, softmax_dtype = padded_query.dtype, _softmax_dtype(padded_query.dtype)
+    num_units, unit_size = part.token_index.shape
+    num_pairs, _, keys_per_item = part.hidden_keys.shape
+    rows = group * unit_size
+    unit_query = (padded_query[part.token_index] * scale).view(
+        num_units, unit_size, num_kv_heads, group, head_dim
+    )
+    unit_query = unit_query.permute(0, 2, 3, 1, 4)  # [U, Hkv, G, Q, D]
+    pair_query = unit_query[part.pair_unit].reshape(num_pairs * num_kv_heads, rows, head_dim)
+    # An item's PAGES_PER_ITEM pages hold its keys_per_item keys in position order.
+    item_shape = (num_pairs, keys_per_item, num_kv_heads, head_dim)
+    keys = kv_layer[:, KEY][part.pair_pages].view(item_shape).permute(0, 2, 3, 1)  # [V, Hkv, D, K]
+    values = _with_ones_column(kv_layer[:, VALUE][part.pair_pages].view(item_shape).permute(0, 2, 1, 3))
+    keys = keys.reshape(num_pairs * num_kv_heads, head_dim, keys_per_item)
+    values = values.reshape(num_pairs * num_kv_heads, keys_per_item, -1)  # [V Hkv, K, D (+ 1)]
+    scores = torch.bmm(pair_query, keys).view(num_pairs, num_kv_heads, group, unit_size, keys_per_item)
+    scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[:, None, None], float("-inf"))
+    # The row maximum over a unit's pairs: exact in any order.
+    item_max = scores.new_full((num_units * part.num_items, num_kv_heads, group, unit_size), float("-inf"))
+    item_max[part.pair_slot] = scores.amax(dim=-1)
+    unit_max = item_max.view(num_units, part.num_items, num_kv_heads, group, unit_size).amax(dim=1)
+    weights = scores.sub_(unit_max[part.pair_unit][..., None]).exp_()  # hidden keys exactly 0
+    partial = torch.bmm(weights.to(dtype).view(num_pairs * num_kv_heads, rows, keys_per_item), values)
+    leaves = partial.new_zeros(
+        (num_units * part.num_items, num_kv_heads, group, unit_size, partial.shape[-1])
+    )
+    leaves[part.pair_slot] = partial.view(num_pairs, num_kv_heads, group, unit_size, -1)
+    summed = tree_sum(leaves.view(num_units, part.num_items, num_kv_heads, group, unit_size, -1), dim=1)
+    if summed.shape[-1] > head_dim:
+        numerator, denominator = summed[..., :head_dim], summed[..., head_dim:]
+    else:
+        weight_leaves = weights.new_zeros((num_units * part.num_items, num_kv_heads, group, unit_size))
+        weight_leaves[part.pair_slot] = tree_sum(weights, dim=-1)
+        weight_leaves = weight_leaves.view(num_units, part.num_items, num_kv_heads, group, unit_size)
+        numerator, denominator = summed, tree_sum(weight_leaves, dim=1)[..., None]
+    unit_output = (numerator.to(softmax_dtype) / denominator).to(dtype)  # [U, Hkv, G, Q, D]
+    unit_output = unit_output.permute(0, 3, 1, 2, 4).reshape(num_units * unit_size, num_heads, head_dim)
+    output[part.token_index.reshape(-1)] = unit_output

@@ -18,7 +18,6 @@ from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, Sampling
 from engine.attention import paged_attention, prepare_attention
 from engine.batch_invariant import (
     PAGES_PER_ITEM,
-    PROMPT_PAGES_PER_ITEM,
     PROMPT_UNIT,
     ROW_CHUNK,
     invariant_linear,
@@ -91,46 +90,64 @@ def attention_rows(
     return paged_attention(query, kv_layer, metadata, 0.125)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.bfloat16])
 def test_attention_rows_do_not_depend_on_the_batch_or_the_chunking(dtype: torch.dtype) -> None:
-    """A 150-token prompt's rows: one pass, two chunks (as after a reused prefix) and inside a batch
+    """A 150-token prompt's rows: one pass, chunks that start on and off a 64-token unit boundary
+    (as after a reused prefix of 1 or 2 blocks), a chunk that ends mid-unit, and inside a batch
     with other prompts and decode steps give the same bits; they match the padded kernel."""
     generator = torch.Generator().manual_seed(2)
     tokens_per_block, num_heads, num_kv_heads, head_dim = 32, 8, 2, 64
-    kv_layer = torch.randn(40, 2, tokens_per_block, num_kv_heads, head_dim, generator=generator, dtype=dtype)
+    kv_layer = torch.randn(40, 2, tokens_per_block, num_kv_heads, head_dim, generator=generator).to(dtype)
     prompt_blocks = [3, 7, 1, 12, 30]
-    prompt_query = torch.randn(150, num_heads, head_dim, generator=generator, dtype=dtype)
+    prompt_query = torch.randn(150, num_heads, head_dim, generator=generator).to(dtype)
     whole = attention_rows([(prompt_blocks, 0, 150)], [False], prompt_query, kv_layer)
-    torch.testing.assert_close(whole, attention_rows([(prompt_blocks, 0, 150)], None, prompt_query, kv_layer))
-    tail = attention_rows([(prompt_blocks, 64, 86)], [False], prompt_query[64:], kv_layer)
-    assert torch.equal(tail, whole[64:])
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    plain = attention_rows([(prompt_blocks, 0, 150)], None, prompt_query, kv_layer)
+    torch.testing.assert_close(whole, plain, **tolerance)
+    for first, count in ((64, 86), (32, 118), (96, 54), (0, 40), (32, 70)):
+        # a chunk's pages: only those its tokens reach (the pool's later pages are another's)
+        blocks = prompt_blocks[: (first + count - 1) // tokens_per_block + 1]
+        chunk = attention_rows(
+            [(blocks, first, count)], [False], prompt_query[first : first + count], kv_layer
+        )
+        assert torch.equal(chunk, whole[first : first + count]), (first, count)
     others = [([5, 6], 0, 40), ([9, 10, 11], 70, 1), ([13], 2, 1), ([20, 21, 22, 23, 24, 25, 26], 0, 200)]
-    other_queries = [
-        torch.randn(n, num_heads, head_dim, generator=generator, dtype=dtype) for _, _, n in others
-    ]
-    batch = [others[0], others[1], (prompt_blocks, 64, 86), others[2], others[3]]
+    other_queries = [torch.randn(n, num_heads, head_dim, generator=generator).to(dtype) for _, _, n in others]
+    batch = [others[0], others[1], (prompt_blocks, 32, 118), others[2], others[3]]
     decode_flags = [False, True, False, True, False]
     query = torch.cat(
-        (other_queries[0], other_queries[1], prompt_query[64:], other_queries[2], other_queries[3])
+        (other_queries[0], other_queries[1], prompt_query[32:], other_queries[2], other_queries[3])
     )
     rows = attention_rows(batch, decode_flags, query, kv_layer)
-    assert torch.equal(rows[41 : 41 + 86], whole[64:])
+    assert torch.equal(rows[41 : 41 + 118], whole[32:])
     # A decode row alone equals the same row in the batch.
     decode_alone = attention_rows([others[1]], [True], other_queries[1], kv_layer)
     assert torch.equal(rows[40:41], decode_alone)
 
 
-def test_attention_computes_only_the_items_a_unit_can_see() -> None:
-    """A 512-token prompt (8 units of 64 tokens, items of 256 keys): unit u sees u // 4 + 1 items,
-    12 pairs rather than 8 x 2. A decode token (items of 128 keys) at position 9 next to one at
-    599: 1 + 5 pairs, not 2 x 5. The bits equal computing every item (the tests above compare such
-    rows alone and next to longer neighbours)."""
-    assert (PROMPT_UNIT, PROMPT_PAGES_PER_ITEM, PAGES_PER_ITEM) == (64, 8, 4)
-    prompt = prepare_invariant_layout([(list(range(16)), 0, 512)], [False], 32, "cpu")
-    (part,) = prompt.slices
-    assert part.num_items == 2 and part.hidden_keys.shape == (12, 64, 256)
-    assert part.pair_unit.tolist() == [u for u in range(8) for _ in range(u // 4 + 1)]
-    assert part.pair_slot.tolist() == [u * 2 + i for u in range(8) for i in range(u // 4 + 1)]
+def test_prompt_units_are_aligned_to_positions() -> None:
+    """A chunk of positions 96..299 (after a reused prefix of 3 blocks): units 1 to 4, each reading
+    keys up to its end; positions before the chunk or past it are padding rows (row N). Its pages
+    are those of keys [0, 320), block 0 past the sequence's own."""
+    assert PROMPT_UNIT == 64
+    layout = prepare_invariant_layout(
+        [([4, 5], 0, 1), (list(range(10, 20)), 96, 204)], [True, False], 32, "cpu"
+    )
+    (prompt,) = layout.prompts
+    assert prompt.unit_ends == (128, 192, 256, 320)
+    assert prompt.pages.tolist() == list(range(10, 20))
+    rows = prompt.token_index.tolist()
+    assert rows[0] == [205] * 32 + list(range(1, 33))  # positions 64..95 are cached: padding
+    assert rows[3] == list(range(1 + 160, 1 + 204)) + [205] * 20  # positions 300..319 are not here
+    short = prepare_invariant_layout([([7], 0, 10)], [False], 32, "cpu")
+    assert short.prompts[0].pages.tolist() == [7, 0] and short.prompts[0].unit_ends == (64,)
+
+
+def test_decode_attention_computes_only_the_items_a_token_can_see() -> None:
+    """A decode token (items of 128 keys) at position 9 next to one at 599: 1 + 5 pairs, not 2 x 5.
+    The bits equal computing every item (the tests above compare such rows alone and next to
+    longer neighbours)."""
+    assert PAGES_PER_ITEM == 4
     decode = prepare_invariant_layout([([1], 9, 1), (list(range(2, 21)), 599, 1)], [True, True], 32, "cpu")
     (part,) = decode.slices
     assert part.num_items == 5 and part.pair_unit.tolist() == [0, 1, 1, 1, 1, 1]
