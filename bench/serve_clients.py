@@ -19,6 +19,46 @@ from typing import Any
 REQUEST_TIMEOUT_S = 900.0
 KV_SAMPLE_EVERY_S = 0.2
 MAX_CLIENT_THREADS = 64
+CLOSE_BOUND_S = 5.0  # an interrupted replay waits this long for the channel to close, then goes on
+
+
+class InFlight:
+    """The streaming calls a replay has open, so that an interrupted replay can cancel each one.
+
+    Closing the channel alone is not enough: gRPC's `Channel.close()` waits for its calls to
+    drain, and after an exception raised by a signal handler it was seen to wait for 20 minutes
+    (grpc/grpc#19973 describes the same)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: set[Any] = set()
+        self._cancelled = False
+
+    def add(self, call: Any) -> None:
+        with self._lock:
+            if not self._cancelled:
+                self._calls.add(call)
+                return
+        call.cancel()
+
+    def discard(self, call: Any) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            calls, self._calls = list(self._calls), set()
+        for call in calls:
+            call.cancel()
+
+
+def close_within(channel: Any, bound_s: float = CLOSE_BOUND_S) -> bool:
+    """Closes `channel` on a daemon thread and waits at most `bound_s`; True if it closed."""
+    closer = threading.Thread(target=channel.close, name="close-channel", daemon=True)
+    closer.start()
+    closer.join(bound_s)
+    return not closer.is_alive()
 
 
 def run_request(
@@ -28,6 +68,7 @@ def run_request(
     sent_s: float,
     timeout_s: float = REQUEST_TIMEOUT_S,
     tag: str = "bench",
+    in_flight: InFlight | None = None,
 ) -> Any:
     """One streaming request; returns a `RequestRecord` (errors are recorded, never raised)."""
     import grpc
@@ -43,8 +84,11 @@ def run_request(
     request = build_request(
         token_ids=list(spec.prompt_ids), sampling=sampling, request_id=f"{tag}-{spec.index}"
     )
+    call = stub.Generate(request, timeout=timeout_s)
+    if in_flight is not None:
+        in_flight.add(call)
     try:
-        for response in stub.Generate(request, timeout=timeout_s):
+        for response in call:
             now = time.monotonic()
             if response.HasField("delta"):
                 lengths = [len(beam.token_ids) for beam in response.delta.beams]
@@ -67,6 +111,9 @@ def run_request(
             record.error = "stream ended without a final message"
     except grpc.RpcError as error:
         record.error = f"{error.code().name}: {error.details()}"
+    finally:
+        if in_flight is not None:
+            in_flight.discard(call)
     return record
 
 
@@ -86,10 +133,11 @@ def replay(
     channel = grpc.insecure_channel(address)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     records: list[Any] = [None] * len(specs)
+    in_flight = InFlight()
 
     def send(position: int, spec: Any, sent_s: float) -> None:
         try:
-            records[position] = run_request(stub, spec, record_type, sent_s, timeout_s, tag)
+            records[position] = run_request(stub, spec, record_type, sent_s, timeout_s, tag, in_flight)
         except Exception as error:  # e.g. the channel closed under it: recorded, never lost
             records[position] = record_type(spec.index, spec.beam_width, sent_s, error=f"client: {error!r}")
         on_done()
@@ -103,13 +151,13 @@ def replay(
             pool.submit(send, position, spec, scheduled)
         pool.shutdown(wait=True)
     except BaseException:
-        # Ctrl-C or an error: closing the channel ends every stream now, so no thread waits out
-        # its deadline before the servers are stopped.
-        channel.close()
-        pool.shutdown(wait=True, cancel_futures=True)
+        # Ctrl-C, SIGTERM or an error: every stream is cancelled now, so no thread waits out its
+        # deadline before the servers are stopped, and the close is bounded (see InFlight).
+        in_flight.cancel_all()
+        close_within(channel)
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
-    finally:
-        channel.close()
+    close_within(channel)
     return records
 
 
