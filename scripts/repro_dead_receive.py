@@ -14,7 +14,6 @@ first failure it prints which pullers the old holder still serves.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import numpy as np
@@ -63,15 +62,7 @@ def main(num_rounds: int, num_kills: int) -> None:
         for attempt in range(num_kills):
             victim = PeerProcess(128, PAGE_BYTES, seed=attempt)
             offer = holder.offer("kv", list(range(128)), 30.0)
-            victim.call(
-                "pull_then_die",
-                address=offer.address,
-                transfer_id=offer.transfer_id,
-                secret=offer.secret,
-                src_page_ids=list(range(128)),
-                dst_page_ids=list(range(127, -1, -1)),
-            )
-            assert victim.process.wait(timeout=20.0) == -signal.SIGKILL
+            victim.pull_then_die(offer, 128)
             for pipe in (victim.process.stdin, victim.process.stdout):
                 if pipe is not None:
                     pipe.close()

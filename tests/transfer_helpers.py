@@ -76,6 +76,19 @@ class PeerProcess:
             raise EOFError(f"transfer helper (pid {self.process.pid}) exited with {self.process.wait(5)}")
         return dict(json.loads(line))
 
+    def pull_then_die(self, offer: Any, num_pages: int) -> None:
+        """Pulls the offer's first `num_pages` pages (into reversed pages here) and is SIGKILLed
+        mid-transfer by its own hand; returns once it is dead."""
+        self.call(
+            "pull_then_die",
+            address=offer.address,
+            transfer_id=offer.transfer_id,
+            secret=offer.secret,
+            src_page_ids=list(range(num_pages)),
+            dst_page_ids=list(range(num_pages - 1, -1, -1)),
+        )
+        assert self.process.wait(timeout=20.0) == -signal.SIGKILL
+
     def signal(self, signal_number: int) -> None:
         if self.process.poll() is None:
             os.kill(self.process.pid, signal_number)

@@ -57,15 +57,7 @@ def test_puller_killed_mid_transfer_fails_within_bound_and_frees_the_holder() ->
             puller = PeerProcess(128, 1 << 20, seed=attempt)
             offer = holder.agent.offer("kv", list(range(128)), 30.0, lambda _, status: ended.append(status))
             start = time.monotonic()
-            puller.call(
-                "pull_then_die",
-                address=offer.address,
-                transfer_id=offer.transfer_id,
-                secret=offer.secret,
-                src_page_ids=list(range(128)),
-                dst_page_ids=list(range(127, -1, -1)),
-            )
-            assert puller.process.wait(timeout=20.0) == -signal.SIGKILL
+            puller.pull_then_die(offer, 128)
             deadline = time.monotonic() + 5.0
             while len(ended) <= attempt and time.monotonic() < deadline:
                 time.sleep(0.01)
