@@ -22,8 +22,8 @@ or is one that was measured not to care:
 - `invariant_attention`, prompt tokens: in units of PROMPT_UNIT aligned to positions; unit k
   holds the queries of positions [64 k, 64 k + 64) (those not in this pass are padding rows) and
   reads keys [0, 64 k + 64) from one gathered copy of its sequence's pages. Its two matmuls,
-  scores [Hkv, 64 G, D] x [Hkv, D, 64 k + 64] and P @ V [Hkv, 64 G, 64 k + 64] x
-  [Hkv, 64 k + 64, D + 1] (a column of ones carries the softmax denominator), have shapes and
+  scores [Hkv, 64 G, D] x [Hkv, D, 64 k + 64], a softmax over each row, and P @ V
+  [Hkv, 64 G, 64 k + 64] x [Hkv, 64 k + 64, D], have shapes and
   strides that follow from k alone, so a prompt token computed whole, in a chunk that starts on
   or off a unit boundary, after a reused prefix or next to other prompts gives the same bits.
   Keys past a row's position are masked to -inf before the row maximum (exact in any order).
@@ -423,14 +423,6 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _with_ones_column(values: torch.Tensor) -> torch.Tensor:
-    """The softmax denominator rides in the P @ V matmul as a column of ones (a fixed-shape sum),
-    except for bfloat16, whose output would round it (summed in float32 there instead)."""
-    if values.dtype == torch.bfloat16:
-        return values
-    return torch.cat((values, values.new_ones((*values.shape[:-1], 1))), dim=-1)
-
-
 def _gather_pages(kv_layer: torch.Tensor, kind: int, pages: torch.Tensor) -> torch.Tensor:
     """kv_layer [blocks, 2, T, Hkv, D], pages [...] -> the pages' keys (kind KEY) or values
     [..., T, Hkv, D], copied. A page is one row of kv_layer[:, kind] seen as [blocks, T Hkv D];
@@ -446,7 +438,7 @@ def _prompt_attention(
     scale: float,
     output: torch.Tensor,
 ) -> None:
-    """Unit by unit: scores [Hkv, Q G, end] and P @ V [Hkv, Q G, end] x [Hkv, end, D + 1], where
+    """Unit by unit: scores [Hkv, Q G, end], softmax, and P @ V [Hkv, Q G, end] x [Hkv, end, D], where
     end = (k + 1) * Q for unit k. The keys and values are one gathered copy of the sequence's
     pages whose strides do not depend on its length, so a unit's matmuls are the same calls
     whatever else is in the pass (an earlier chunk, a reused prefix, other prompts)."""
@@ -455,25 +447,19 @@ def _prompt_attention(
     group = num_heads // num_kv_heads
     dtype, softmax_dtype = padded_query.dtype, _softmax_dtype(padded_query.dtype)
     keys = _gather_pages(kv_layer, KEY, prompt.pages).flatten(0, 1)  # [P T, Hkv, D] in position order
-    values = _with_ones_column(
-        _gather_pages(kv_layer, VALUE, prompt.pages).flatten(0, 1)
-    )  # [P T, Hkv, D (+ 1)]
+    values = _gather_pages(kv_layer, VALUE, prompt.pages).flatten(0, 1)
     offsets = torch.arange(PROMPT_UNIT, device=padded_query.device)
     causal = (offsets[None, :] > offsets[:, None])[:, None, :]  # [Q, 1, Q]: key past the query's position
     for end, token_index in zip(prompt.unit_ends, prompt.token_index, strict=True):
         unit_query = (padded_query[token_index] * scale).view(PROMPT_UNIT, num_kv_heads, group, head_dim)
         unit_query = unit_query.transpose(0, 1).reshape(num_kv_heads, PROMPT_UNIT * group, head_dim)
-        scores = torch.bmm(unit_query, keys[:end].permute(1, 2, 0)).to(softmax_dtype)  # [Hkv, Q G, end]
+        scores = torch.bmm(unit_query, keys[:end].permute(1, 2, 0))  # [Hkv, Q G, end]
         scores.view(num_kv_heads, PROMPT_UNIT, group, end)[..., end - PROMPT_UNIT :].masked_fill_(
             causal, float("-inf")
         )
-        weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # hidden keys exactly 0
-        summed = torch.bmm(weights.to(dtype), values[:end].transpose(0, 1))  # [Hkv, Q G, D (+ 1)]
-        if summed.shape[-1] > head_dim:
-            numerator, denominator = summed[..., :head_dim], summed[..., head_dim:]
-        else:
-            numerator, denominator = summed, weights.sum(dim=-1, keepdim=True)
-        unit_output = (numerator.to(softmax_dtype) / denominator).to(dtype)  # [Hkv, Q G, D]
+        # One fused pass per row (maximum, exp, sum, scale); hidden keys weigh exactly 0.
+        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype)
+        unit_output = torch.bmm(probs, values[:end].transpose(0, 1))  # [Hkv, Q G, D]
         output[token_index] = (
             unit_output.view(num_kv_heads, PROMPT_UNIT, group, head_dim)
             .transpose(0, 1)
@@ -492,7 +478,7 @@ def _decode_attention(
 
     Each item's pages are copied once, in their page layout [K, Hkv, D]; one batched matmul per kv
     head reads a head's keys and values from that copy in place (its strides are constants), so
-    neither the keys' transpose nor a column of ones costs another copy. The softmax denominator
+    neither the keys' transpose nor the values' costs another copy. The softmax denominator
     is a tree sum of the weights, item by item, then over items."""
     num_heads, head_dim = padded_query.shape[1:]
     num_kv_heads = kv_layer.shape[3]
