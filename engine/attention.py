@@ -56,9 +56,11 @@ def prepare_attention(
     tokens_per_block: int,
     device: torch.device | str,
     is_decode: Sequence[bool] | None = None,
+    beam_group_sizes: Sequence[int] | None = None,
 ) -> AttentionMetadata:
     """is_decode: one flag per sequence (a decode step feeds one generated token) selects the
-    batch-invariant kernel; None keeps the padded one."""
+    batch-invariant kernel; None keeps the padded one. beam_group_sizes: per decode sequence the
+    beam width W of its request, whose W beams are consecutive (their shared pages are read once)."""
     if not seqs:
         raise ValueError("seqs must hold at least one sequence")
     slots: list[int] = []
@@ -110,7 +112,7 @@ def prepare_attention(
     invariant = None
     key_mask = None
     if is_decode is not None:
-        invariant = prepare_invariant_layout(seqs, is_decode, tokens_per_block, device)
+        invariant = prepare_invariant_layout(seqs, is_decode, tokens_per_block, device, beam_group_sizes)
     else:
         # A padded query slot keeps position 0, so it sees key 0 and its softmax stays finite;
         # its output is never read.

@@ -277,6 +277,10 @@ class AttentionSlice:
     pair_slot: torch.Tensor  # [V] unit * I + item: the pair's leaf in the unit's tree sum
     pair_pages: torch.Tensor  # [V, pages per item] the item's pages (block 0 past the context)
     hidden_keys: torch.Tensor  # [V, Q, K] bool: key k of the pair's item is hidden from unit row q
+    # The pairs of one request's beams that read the same item at the same position share one copy
+    # of its pages and one matmul of R G rows: per R, the member pairs [items, R] (R is a function
+    # of the request's own beams, never of the batch).
+    shared: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -301,34 +305,42 @@ def prepare_invariant_layout(
     is_decode: Sequence[bool],
     tokens_per_block: int,
     device: torch.device | str,
+    beam_group_sizes: Sequence[int] | None = None,
 ) -> InvariantLayout:
-    """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention."""
+    """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention;
+    beam_group_sizes: per decode sequence the W of its request, whose W beams are consecutive
+    (None: each decode sequence is a request of its own)."""
     num_tokens = sum(num_new for _, _, num_new in seqs)
-    # (token indices, positions, block ids) of each decode token
-    decode_units: list[tuple[list[int], list[int], Sequence[int]]] = []
+    # Per request, (token index, position, block ids) of each decoding beam
+    decode_groups: list[list[tuple[int, int, Sequence[int]]]] = []
     prompts: list[PromptSequence] = []
-    start = 0
-    for (block_ids, num_cached, num_new), decode in zip(seqs, is_decode, strict=True):
+    start, group_end = 0, 0
+    for index, ((block_ids, num_cached, num_new), decode) in enumerate(zip(seqs, is_decode, strict=True)):
         if decode:
             if num_new != 1:
                 raise ValueError(f"a decode sequence feeds one token, got {num_new}")
-            decode_units.append(([start], [num_cached], block_ids[: num_cached // tokens_per_block + 1]))
+            if index >= group_end:
+                decode_groups.append([])
+                group_end = index + (1 if beam_group_sizes is None else max(1, beam_group_sizes[index]))
+            decode_groups[-1].append((start, num_cached, block_ids[: num_cached // tokens_per_block + 1]))
         else:
             prompts.append(
                 _prompt_sequence(block_ids, num_cached, num_new, start, num_tokens, tokens_per_block, device)
             )
         start += num_new
+    # Slices bound the memory; a request's beams always stay in one slice.
     slices: list[AttentionSlice] = []
-    begin = 0
-    while begin < len(decode_units):
-        end, max_pages = begin, 0
-        while end < len(decode_units) and (end - begin + 1) * max(
-            max_pages, len(decode_units[end][2])
-        ) <= max(MAX_DECODE_ITEMS, len(decode_units[end][2])):
-            max_pages = max(max_pages, len(decode_units[end][2]))
-            end += 1
-        slices.append(_make_slice(decode_units[begin:end], max_pages, tokens_per_block, device))
-        begin = end
+    current: list[list[tuple[int, int, Sequence[int]]]] = []
+    num_units, max_pages = 0, 0
+    for group in decode_groups:
+        pages = max(len(beam[2]) for beam in group)
+        if current and (num_units + len(group)) * max(max_pages, pages) > MAX_DECODE_ITEMS:
+            slices.append(_make_slice(current, max_pages, tokens_per_block, device))
+            current, num_units, max_pages = [], 0, 0
+        current.append(group)
+        num_units, max_pages = num_units + len(group), max(max_pages, pages)
+    if current:
+        slices.append(_make_slice(current, max_pages, tokens_per_block, device))
     return InvariantLayout(tuple(slices), tuple(prompts))
 
 
@@ -362,25 +374,35 @@ def _prompt_sequence(
 
 
 def _make_slice(
-    group: list[tuple[list[int], list[int], Sequence[int]]],
+    groups: list[list[tuple[int, int, Sequence[int]]]],
     max_pages: int,
     tokens_per_block: int,
     device: torch.device | str,
 ) -> AttentionSlice:
-    token_index = [indices for indices, _, _ in group]
     num_items = -(-max_pages // PAGES_PER_ITEM)
     keys_per_item = PAGES_PER_ITEM * tokens_per_block
+    token_index: list[list[int]] = []
     pair_unit: list[int] = []
     pair_slot: list[int] = []
     pair_pages: list[list[int]] = []
     pair_positions: list[list[int]] = []
-    for unit, (_, positions, pages) in enumerate(group):
-        for item in range(positions[-1] // keys_per_item + 1):
-            item_pages = list(pages[item * PAGES_PER_ITEM : (item + 1) * PAGES_PER_ITEM])
-            pair_unit.append(unit)
-            pair_slot.append(unit * num_items + item)
-            pair_pages.append(item_pages + [0] * (PAGES_PER_ITEM - len(item_pages)))
-            pair_positions.append([position - item * keys_per_item for position in positions])
+    by_size: dict[int, list[list[int]]] = {}
+    for group in groups:
+        # (item pages, position) -> the pairs of this request's beams that read it
+        readers: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for token, position, pages in group:
+            unit = len(token_index)
+            token_index.append([token])
+            for item in range(position // keys_per_item + 1):
+                item_pages = list(pages[item * PAGES_PER_ITEM : (item + 1) * PAGES_PER_ITEM])
+                item_pages += [0] * (PAGES_PER_ITEM - len(item_pages))
+                readers.setdefault((tuple(item_pages), position), []).append(len(pair_unit))
+                pair_unit.append(unit)
+                pair_slot.append(unit * num_items + item)
+                pair_pages.append(item_pages)
+                pair_positions.append([position - item * keys_per_item])
+        for members in readers.values():
+            by_size.setdefault(len(members), []).append(members)
     key_offsets = torch.arange(keys_per_item, device=device)  # [K]
     positions_tensor = torch.tensor(pair_positions, dtype=torch.long, device=device)  # [V, Q]
     return AttentionSlice(
@@ -390,6 +412,9 @@ def _make_slice(
         pair_slot=torch.tensor(pair_slot, dtype=torch.long, device=device),
         pair_pages=torch.tensor(pair_pages, dtype=torch.long, device=device),
         hidden_keys=key_offsets[None, None, :] > positions_tensor[:, :, None],
+        shared=tuple(
+            torch.tensor(members, dtype=torch.long, device=device) for _, members in sorted(by_size.items())
+        ),
     )
 
 
@@ -488,12 +513,27 @@ def _decode_attention(
     num_pairs, _, keys_per_item = part.hidden_keys.shape
     unit_query = (padded_query[part.token_index[:, 0]] * scale).view(num_units, num_kv_heads, group, head_dim)
     pair_query = unit_query[part.pair_unit]  # [V, Hkv, G, D]
-    item_shape = (num_pairs, keys_per_item, num_kv_heads, head_dim)
-    keys = _gather_pages(kv_layer, KEY, part.pair_pages).view(item_shape)  # [V, K, Hkv, D], position order
-    values = _gather_pages(kv_layer, VALUE, part.pair_pages).view(item_shape)
+    # Per bucket of R pairs sharing an item: its pages copied once [n, K, Hkv, D], position order.
+    buckets = []
     scores = padded_query.new_empty((num_kv_heads, num_pairs, group, keys_per_item))
-    for head in range(num_kv_heads):
-        torch.bmm(pair_query[:, head], keys[:, :, head].transpose(1, 2), out=scores[head])
+    for members in part.shared:
+        num_shared, size = members.shape
+        pages = part.pair_pages[members[:, 0]]
+        item_shape = (num_shared, keys_per_item, num_kv_heads, head_dim)
+        keys = _gather_pages(kv_layer, KEY, pages).view(item_shape)
+        values = _gather_pages(kv_layer, VALUE, pages).view(item_shape)
+        rows = (
+            pair_query[members]
+            .permute(2, 0, 1, 3, 4)
+            .reshape(num_kv_heads, num_shared, size * group, head_dim)
+        )
+        shared_scores = padded_query.new_empty((num_kv_heads, num_shared, size * group, keys_per_item))
+        for head in range(num_kv_heads):
+            torch.bmm(rows[head], keys[:, :, head].transpose(1, 2), out=shared_scores[head])
+        scores[:, members.reshape(-1)] = shared_scores.view(
+            num_kv_heads, num_shared * size, group, keys_per_item
+        )
+        buckets.append((members, values))
     scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[None, :, :, :], float("-inf"))
     # The row maximum over a token's pairs: exact in any order.
     item_max = scores.new_full((num_kv_heads, num_units * part.num_items, group), float("-inf"))
@@ -502,8 +542,17 @@ def _decode_attention(
     weights = scores.sub_(unit_max[:, part.pair_unit, :, None]).exp_()  # hidden keys exactly 0
     cast_weights = weights.to(dtype)
     partial = padded_query.new_empty((num_kv_heads, num_pairs, group, head_dim))
-    for head in range(num_kv_heads):
-        torch.bmm(cast_weights[head], values[:, :, head], out=partial[head])
+    for members, values in buckets:
+        num_shared, size = members.shape
+        shared_weights = cast_weights[:, members.reshape(-1)].view(
+            num_kv_heads, num_shared, size * group, keys_per_item
+        )
+        shared_partial = padded_query.new_empty((num_kv_heads, num_shared, size * group, head_dim))
+        for head in range(num_kv_heads):
+            torch.bmm(shared_weights[head], values[:, :, head], out=shared_partial[head])
+        partial[:, members.reshape(-1)] = shared_partial.view(
+            num_kv_heads, num_shared * size, group, head_dim
+        )
     leaves = partial.new_zeros((num_kv_heads, num_units * part.num_items, group, head_dim))
     leaves[:, part.pair_slot] = partial
     numerator = tree_sum(leaves.view(num_kv_heads, num_units, part.num_items, group, head_dim), dim=2)

@@ -71,7 +71,10 @@ class ModelRunner:
     def prepare_batch(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
         specs = [(seq.block_ids, seq.num_cached_tokens, len(seq.token_ids)) for seq in seqs]
         is_decode = [seq.is_decode for seq in seqs] if self.batch_invariant else None
-        metadata = prepare_attention(specs, self.kv_pool.tokens_per_block, self.device, is_decode)
+        beam_groups = [seq.num_beams if seq.is_decode else 0 for seq in seqs]
+        metadata = prepare_attention(
+            specs, self.kv_pool.tokens_per_block, self.device, is_decode, beam_groups
+        )
         token_ids = [token_id for seq in seqs for token_id in seq.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]
         recurrent = None

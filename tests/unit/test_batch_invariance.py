@@ -156,6 +156,39 @@ def test_decode_attention_computes_only_the_items_a_token_can_see() -> None:
     assert part.hidden_keys[-1, 0].tolist() == [k > 599 - 512 for k in range(128)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_beams_of_one_request_read_shared_pages_once_whatever_the_batch(dtype: torch.dtype) -> None:
+    """Request A's 3 beams at position 300 share their first 9 pages (items 0 and 1, and page 8 of
+    item 2) and each has its own last page; request B's 2 beams hold the very same pages (a
+    reused prefix). A's shared items are read once for its 3 beams (buckets of R = 3, and R = 1
+    for the items its beams do not share), never merged with B's: A's rows, and B's, have the
+    same bits alone and together, and equal attention computed beam by beam within a tolerance."""
+    generator = torch.Generator().manual_seed(5)
+    tokens_per_block, num_heads, num_kv_heads, head_dim = 32, 8, 2, 64
+    kv_layer = torch.randn(40, 2, tokens_per_block, num_kv_heads, head_dim, generator=generator).to(dtype)
+    shared = list(range(1, 10))
+    beams_a = [(shared + [20 + beam], 300, 1) for beam in range(3)]
+    beams_b = [(shared + [20 + beam], 300, 1) for beam in range(2)]
+    query = torch.randn(5, num_heads, head_dim, generator=generator).to(dtype)
+
+    def rows(
+        seqs: list[tuple[list[int], int, int]], groups: list[int], rows_query: torch.Tensor
+    ) -> torch.Tensor:
+        metadata = prepare_attention(seqs, tokens_per_block, "cpu", [True] * len(seqs), groups)
+        return paged_attention(rows_query, kv_layer, metadata, 0.125)
+
+    alone_a = rows(beams_a, [3, 3, 3], query[:3])
+    alone_b = rows(beams_b, [2, 2], query[3:])
+    together = rows(beams_a + beams_b, [3, 3, 3, 2, 2], query)
+    assert torch.equal(together[:3], alone_a) and torch.equal(together[3:], alone_b)
+    beam_by_beam = rows(beams_a, [1, 1, 1], query[:3])
+    torch.testing.assert_close(alone_a, beam_by_beam)
+    layout = prepare_invariant_layout(beams_a + beams_b, [True] * 5, tokens_per_block, "cpu", [3, 3, 3, 2, 2])
+    (part,) = layout.slices
+    # A: items 0, 1 shared by 3 (R = 3), item 2 per beam (R = 1); B: items 0, 1 by 2, item 2 per beam.
+    assert sorted(tuple(members.shape) for members in part.shared) == [(2, 2), (2, 3), (5, 1)]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wide enough (hidden 256, GQA 8/2) that the plain kernels' shapes change the bits."""
