@@ -37,7 +37,7 @@ class SequenceInput:
     state_slot_id: int | None = None
     snapshots: Sequence[tuple[int, int]] = field(default_factory=tuple)
     # A decode step (one generated token) rather than prompt tokens: in batch-invariant mode the
-    # role picks the attention kernel's shape (engine/batch_invariant.py).
+    # role picks the attention kernel's shape (engine/invariant_attention.py).
     is_decode: bool = False
     # Decode steps only: the request's beam count W (its W sequences sit together in the batch).
     num_beams: int = 1
@@ -48,6 +48,11 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [N]
     metadata: AttentionMetadata
     recurrent: RecurrentMetadata | None
+
+
+def beam_group_sizes(seqs: Sequence[SequenceInput]) -> list[int]:
+    """Per sequence: 0 for prompt tokens, else the W of its request (whose W beams are consecutive)."""
+    return [seq.num_beams if seq.is_decode else 0 for seq in seqs]
 
 
 class ModelRunner:
@@ -71,9 +76,8 @@ class ModelRunner:
     def prepare_batch(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
         specs = [(seq.block_ids, seq.num_cached_tokens, len(seq.token_ids)) for seq in seqs]
         is_decode = [seq.is_decode for seq in seqs] if self.batch_invariant else None
-        beam_groups = [seq.num_beams if seq.is_decode else 0 for seq in seqs]
         metadata = prepare_attention(
-            specs, self.kv_pool.tokens_per_block, self.device, is_decode, beam_groups
+            specs, self.kv_pool.tokens_per_block, self.device, is_decode, beam_group_sizes(seqs)
         )
         token_ids = [token_id for seq in seqs for token_id in seq.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]
@@ -99,11 +103,7 @@ class ModelRunner:
         layout: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.batch_invariant:
             layout = row_layout(
-                make_row_layout(
-                    [len(seq.token_ids) for seq in seqs],
-                    [seq.num_beams if seq.is_decode else 0 for seq in seqs],
-                    self.device,
-                )
+                make_row_layout([len(seq.token_ids) for seq in seqs], beam_group_sizes(seqs), self.device)
             )
         with layout:
             if isinstance(self.model, Lfm2Model):
