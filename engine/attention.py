@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch_invariant import InvariantLayout, invariant_attention, prepare_invariant_layout
+from engine.invariant_attention import InvariantLayout, invariant_attention, prepare_invariant_layout
 from engine.kv_pool import KEY, VALUE
 
 # (block_ids, num_cached_tokens, num_new_tokens) of one sequence
@@ -38,7 +38,7 @@ class AttentionMetadata:
     query_seq_ids: torch.Tensor  # [N] sequence of each new token
     query_offsets: torch.Tensor  # [N] index of each new token among its sequence's new tokens
     key_mask: torch.Tensor | None  # [B, Q, K] bool: padded query q of sequence b may see key slot k
-    # Set in batch-invariant mode: paged_attention then runs engine/batch_invariant.py's kernel
+    # Set in batch-invariant mode: paged_attention then runs engine/invariant_attention.py's kernel
     # (and key_mask, which only the padded kernel reads, is None).
     invariant: InvariantLayout | None = None
 

@@ -52,8 +52,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     seed: int = 0
     # A request's tokens and scores do not depend on what else is in the batch (fixed-shape
-    # kernels, engine/batch_invariant.py). On by default: its attention is also the varlen one (the
-    # plain kernel pads every sequence to the batch's longest query, ruinous when decode steps
+    # kernels, engine/batch_invariant.py and engine/invariant_attention.py). On by default: its
+    # attention is also the varlen one (the plain kernel pads every sequence to the batch's longest query, ruinous when decode steps
     # share a batch with prompt chunks); bench invariance measured it at 0.98-1.03x of the plain
     # kernels, 0.51x for a 2048-token prefill and 0.53x for 8 beam-4 requests decoding (stop 18).
     batch_invariant: bool = True

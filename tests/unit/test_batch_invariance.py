@@ -16,14 +16,8 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, SamplingParams, batch_invariant
 from engine.attention import paged_attention, prepare_attention
-from engine.batch_invariant import (
-    PAGES_PER_ITEM,
-    PROMPT_UNIT,
-    ROW_CHUNK,
-    invariant_linear,
-    prepare_invariant_layout,
-    tree_sum,
-)
+from engine.batch_invariant import ROW_CHUNK, invariant_linear
+from engine.invariant_attention import PAGES_PER_ITEM, PROMPT_UNIT, prepare_invariant_layout, tree_sum
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 DTYPES = [torch.float32, torch.float64]

@@ -1,0 +1,343 @@
+"""Batch-invariant attention over the paged pool: a token's output does not depend on the batch.
+
+Attention over a padded batch picks its kernels from the batch twice: the score matmul's blocking
+follows the longest key length, and so does the P @ V reduction. Here every call's shapes follow
+from a token's role and position alone (the measured facts about matmuls are in
+engine/batch_invariant.py):
+- prompt tokens: in units of PROMPT_UNIT aligned to positions; unit k holds the queries of
+  positions [64 k, 64 k + 64) (those not in this pass are padding rows) and reads keys
+  [0, 64 k + 64) from one gathered copy of its sequence's pages. Its two matmuls, scores
+  [Hkv, 64 G, D] x [Hkv, D, 64 k + 64], a softmax over each row, and P @ V
+  [Hkv, 64 G, 64 k + 64] x [Hkv, 64 k + 64, D], have shapes and strides that follow from k
+  alone, so a prompt token computed whole, in a chunk that starts on or off a unit boundary,
+  after a reused prefix or next to other prompts gives the same bits. Keys past a row's
+  position are masked to -inf before the softmax.
+- decode tokens: a decode token alone (G rows per kv head) against items of PAGES_PER_ITEM pages,
+  each item's pages copied once in their page layout; scores [G, D] x [D, K] and P @ V [G, K] x
+  [K, D] are fixed-shape items of one batched matmul per kv head (strides that are constants),
+  the beams of one request that read the same item sharing one matmul of R G rows. Items are
+  summed by `tree_sum`, the softmax denominators too (item by item, then over items): a
+  pairwise tree with a fixed leaf for each item, so items past a token's position (or padding
+  up to the batch's longest context) only ever add exact zeros. torch's own `sum` is not safe
+  here: measured, summing a middle axis whose inner size is under 16 or so changes bits with
+  the axis length and the row count.
+
+The cost is up to 63 padding query rows per prompt sequence and pass, and smaller matmuls for
+decode; `bench invariance` measures it. See docs/engine.md, "Batch invariance".
+
+Dimensions: N new tokens, U query units, Q tokens per unit, P pages, T tokens per page, H query
+heads, Hkv kv heads, G = H / Hkv, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_pool import KEY, VALUE
+
+PROMPT_UNIT = 64  # prompt queries per attention unit, aligned to positions (unit k: [64 k, 64 k + 64))
+PAGES_PER_ITEM = 4  # keys of one decode token's attention item: 4 pages (128 keys at T = 32)
+MAX_DECODE_ITEMS = 16384
+
+
+@dataclass(frozen=True)
+class AttentionSlice:
+    """Decode tokens that are computed together (one slice bounds the memory).
+
+    Only the (unit, item) pairs a unit can see are computed: an item wholly past a unit's last
+    position (padding up to the slice's longest context) would add exact zeros, so it is left out
+    and its place in the tree sum holds zeros (same bits, less work)."""
+
+    token_index: torch.Tensor  # [U, Q] index into the N new tokens; padding points at row N
+    num_items: int  # I: items of the slice's longest unit
+    pair_unit: torch.Tensor  # [V] the unit of each visible pair
+    pair_slot: torch.Tensor  # [V] unit * I + item: the pair's leaf in the unit's tree sum
+    pair_pages: torch.Tensor  # [V, pages per item] the item's pages (block 0 past the context)
+    hidden_keys: torch.Tensor  # [V, Q, K] bool: key k of the pair's item is hidden from unit row q
+    # The pairs of one request's beams that read the same item at the same position share one copy
+    # of its pages and one matmul of R G rows: per R, the member pairs [items, R] (R is a function
+    # of the request's own beams, never of the batch).
+    shared: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptSequence:
+    """One sequence's prompt tokens in a forward pass, in units aligned to positions: unit k holds
+    the queries of positions [k * PROMPT_UNIT, (k + 1) * PROMPT_UNIT) and reads keys
+    [0, (k + 1) * PROMPT_UNIT). Every shape a prompt token meets is a function of its position."""
+
+    pages: torch.Tensor  # [P] pages of keys [0, the last unit's end) (block 0 past the sequence's own)
+    unit_ends: tuple[int, ...]  # (k + 1) * PROMPT_UNIT for each unit, in order
+    token_index: torch.Tensor  # [units, PROMPT_UNIT] new-token row of each position; N if not new
+
+
+@dataclass(frozen=True)
+class InvariantLayout:
+    slices: tuple[AttentionSlice, ...]  # decode tokens
+    prompts: tuple[PromptSequence, ...] = ()
+
+
+def prepare_invariant_layout(
+    seqs: Sequence[tuple[Sequence[int], int, int]],
+    is_decode: Sequence[bool],
+    tokens_per_block: int,
+    device: torch.device | str,
+    beam_group_sizes: Sequence[int] | None = None,
+) -> InvariantLayout:
+    """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention;
+    beam_group_sizes: per decode sequence the W of its request, whose W beams are consecutive
+    (None: each decode sequence is a request of its own)."""
+    num_tokens = sum(num_new for _, _, num_new in seqs)
+    # Per request, (token index, position, block ids) of each decoding beam
+    decode_groups: list[list[tuple[int, int, Sequence[int]]]] = []
+    prompts: list[PromptSequence] = []
+    start, group_end = 0, 0
+    for index, ((block_ids, num_cached, num_new), decode) in enumerate(zip(seqs, is_decode, strict=True)):
+        if decode:
+            if num_new != 1:
+                raise ValueError(f"a decode sequence feeds one token, got {num_new}")
+            if index >= group_end:
+                decode_groups.append([])
+                group_end = index + (1 if beam_group_sizes is None else max(1, beam_group_sizes[index]))
+            decode_groups[-1].append((start, num_cached, block_ids[: num_cached // tokens_per_block + 1]))
+        else:
+            prompts.append(
+                _prompt_sequence(block_ids, num_cached, num_new, start, num_tokens, tokens_per_block, device)
+            )
+        start += num_new
+    # Slices bound the memory; a request's beams always stay in one slice.
+    slices: list[AttentionSlice] = []
+    current: list[list[tuple[int, int, Sequence[int]]]] = []
+    num_units, max_pages = 0, 0
+    for group in decode_groups:
+        pages = max(len(beam[2]) for beam in group)
+        if current and (num_units + len(group)) * max(max_pages, pages) > MAX_DECODE_ITEMS:
+            slices.append(_make_slice(current, max_pages, tokens_per_block, device))
+            current, num_units, max_pages = [], 0, 0
+        current.append(group)
+        num_units, max_pages = num_units + len(group), max(max_pages, pages)
+    if current:
+        slices.append(_make_slice(current, max_pages, tokens_per_block, device))
+    return InvariantLayout(tuple(slices), tuple(prompts))
+
+
+def _prompt_sequence(
+    block_ids: Sequence[int],
+    num_cached: int,
+    num_new: int,
+    start: int,
+    num_tokens: int,
+    tokens_per_block: int,
+    device: torch.device | str,
+) -> PromptSequence:
+    first_unit, last_unit = num_cached // PROMPT_UNIT, (num_cached + num_new - 1) // PROMPT_UNIT
+    unit_ends = tuple((unit + 1) * PROMPT_UNIT for unit in range(first_unit, last_unit + 1))
+    # Keys up to the last unit's end; the pages past the sequence's own hold keys that only
+    # positions past its new tokens could see (masked for every real row).
+    num_pages = -(-unit_ends[-1] // tokens_per_block)
+    pages = list(block_ids[:num_pages]) + [0] * max(0, num_pages - len(block_ids))
+    token_index = [
+        [
+            start + position - num_cached if num_cached <= position < num_cached + num_new else num_tokens
+            for position in range(end - PROMPT_UNIT, end)
+        ]
+        for end in unit_ends
+    ]
+    return PromptSequence(
+        pages=torch.tensor(pages, dtype=torch.long, device=device),
+        unit_ends=unit_ends,
+        token_index=torch.tensor(token_index, dtype=torch.long, device=device),
+    )
+
+
+def _make_slice(
+    groups: list[list[tuple[int, int, Sequence[int]]]],
+    max_pages: int,
+    tokens_per_block: int,
+    device: torch.device | str,
+) -> AttentionSlice:
+    num_items = -(-max_pages // PAGES_PER_ITEM)
+    keys_per_item = PAGES_PER_ITEM * tokens_per_block
+    token_index: list[list[int]] = []
+    pair_unit: list[int] = []
+    pair_slot: list[int] = []
+    pair_pages: list[list[int]] = []
+    pair_positions: list[list[int]] = []
+    by_size: dict[int, list[list[int]]] = {}
+    for group in groups:
+        # (item pages, position) -> the pairs of this request's beams that read it
+        readers: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for token, position, pages in group:
+            unit = len(token_index)
+            token_index.append([token])
+            for item in range(position // keys_per_item + 1):
+                item_pages = list(pages[item * PAGES_PER_ITEM : (item + 1) * PAGES_PER_ITEM])
+                item_pages += [0] * (PAGES_PER_ITEM - len(item_pages))
+                readers.setdefault((tuple(item_pages), position), []).append(len(pair_unit))
+                pair_unit.append(unit)
+                pair_slot.append(unit * num_items + item)
+                pair_pages.append(item_pages)
+                pair_positions.append([position - item * keys_per_item])
+        for members in readers.values():
+            by_size.setdefault(len(members), []).append(members)
+    key_offsets = torch.arange(keys_per_item, device=device)  # [K]
+    positions_tensor = torch.tensor(pair_positions, dtype=torch.long, device=device)  # [V, Q]
+    return AttentionSlice(
+        token_index=torch.tensor(token_index, dtype=torch.long, device=device),
+        num_items=num_items,
+        pair_unit=torch.tensor(pair_unit, dtype=torch.long, device=device),
+        pair_slot=torch.tensor(pair_slot, dtype=torch.long, device=device),
+        pair_pages=torch.tensor(pair_pages, dtype=torch.long, device=device),
+        hidden_keys=key_offsets[None, None, :] > positions_tensor[:, :, None],
+        shared=tuple(
+            torch.tensor(members, dtype=torch.long, device=device) for _, members in sorted(by_size.items())
+        ),
+    )
+
+
+def tree_sum(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` as a pairwise tree whose leaves are the indices along it: appending zeros
+    (a longer padded axis) or changing the other axes never changes a result's bits."""
+    tensor = tensor.movedim(dim, 0)
+    while tensor.shape[0] > 1:
+        if tensor.shape[0] % 2:
+            tensor = torch.cat((tensor, tensor.new_zeros((1, *tensor.shape[1:]))))
+        tensor = tensor[0::2] + tensor[1::2]
+    return tensor[0]
+
+
+def invariant_attention(
+    query: torch.Tensor, kv_layer: torch.Tensor, layout: InvariantLayout, scale: float
+) -> torch.Tensor:
+    """query [N, H, D] (rotary applied), kv_layer [blocks, 2, T, Hkv, D] holding the new tokens'
+    K/V -> [N, H, D]; see the module docstring for why every shape is fixed."""
+    num_tokens, num_heads, head_dim = query.shape
+    padded_query = torch.cat((query, query.new_zeros((1, num_heads, head_dim))))  # row N: padding
+    output = query.new_empty((num_tokens + 1, num_heads, head_dim))
+    for part in layout.slices:
+        _decode_attention(padded_query, kv_layer, part, scale, output)
+    for prompt in layout.prompts:
+        _prompt_attention(padded_query, kv_layer, prompt, scale, output)
+    return output[:num_tokens]
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _gather_pages(kv_layer: torch.Tensor, kind: int, pages: torch.Tensor) -> torch.Tensor:
+    """kv_layer [blocks, 2, T, Hkv, D], pages [...] -> the pages' keys (kind KEY) or values
+    [..., T, Hkv, D], copied. A page is one row of kv_layer[:, kind] seen as [blocks, T Hkv D];
+    index_select copies whole rows, measured about a fifth faster than advanced indexing."""
+    rows = kv_layer[:, kind].flatten(1).index_select(0, pages.reshape(-1))
+    return rows.view(*pages.shape, *kv_layer.shape[2:])
+
+
+def _prompt_attention(
+    padded_query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    prompt: PromptSequence,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Unit by unit: scores [Hkv, Q G, end], softmax, and P @ V [Hkv, Q G, end] x [Hkv, end, D], where
+    end = (k + 1) * Q for unit k. The keys and values are one gathered copy of the sequence's
+    pages whose strides do not depend on its length, so a unit's matmuls are the same calls
+    whatever else is in the pass (an earlier chunk, a reused prefix, other prompts)."""
+    num_heads, head_dim = padded_query.shape[1:]
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    dtype, softmax_dtype = padded_query.dtype, _softmax_dtype(padded_query.dtype)
+    keys = _gather_pages(kv_layer, KEY, prompt.pages).flatten(0, 1)  # [P T, Hkv, D] in position order
+    values = _gather_pages(kv_layer, VALUE, prompt.pages).flatten(0, 1)
+    offsets = torch.arange(PROMPT_UNIT, device=padded_query.device)
+    causal = (offsets[None, :] > offsets[:, None])[:, None, :]  # [Q, 1, Q]: key past the query's position
+    for end, token_index in zip(prompt.unit_ends, prompt.token_index, strict=True):
+        unit_query = (padded_query[token_index] * scale).view(PROMPT_UNIT, num_kv_heads, group, head_dim)
+        unit_query = unit_query.transpose(0, 1).reshape(num_kv_heads, PROMPT_UNIT * group, head_dim)
+        scores = torch.bmm(unit_query, keys[:end].permute(1, 2, 0))  # [Hkv, Q G, end]
+        scores.view(num_kv_heads, PROMPT_UNIT, group, end)[..., end - PROMPT_UNIT :].masked_fill_(
+            causal, float("-inf")
+        )
+        # One fused pass per row (maximum, exp, sum, scale); hidden keys weigh exactly 0.
+        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype)
+        unit_output = torch.bmm(probs, values[:end].transpose(0, 1))  # [Hkv, Q G, D]
+        output[token_index] = (
+            unit_output.view(num_kv_heads, PROMPT_UNIT, group, head_dim)
+            .transpose(0, 1)
+            .reshape(PROMPT_UNIT, num_heads, head_dim)
+        )
+
+
+def _decode_attention(
+    padded_query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    part: AttentionSlice,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Decode tokens against fixed items of PAGES_PER_ITEM pages, summed by tree_sum.
+
+    Each item's pages are copied once, in their page layout [K, Hkv, D]; one batched matmul per kv
+    head reads a head's keys and values from that copy in place (its strides are constants), so
+    neither the keys' transpose nor the values' costs another copy. The softmax denominator
+    is a tree sum of the weights, item by item, then over items."""
+    num_heads, head_dim = padded_query.shape[1:]
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    dtype, softmax_dtype = padded_query.dtype, _softmax_dtype(padded_query.dtype)
+    num_units = part.token_index.shape[0]
+    num_pairs, _, keys_per_item = part.hidden_keys.shape
+    unit_query = (padded_query[part.token_index[:, 0]] * scale).view(num_units, num_kv_heads, group, head_dim)
+    pair_query = unit_query[part.pair_unit]  # [V, Hkv, G, D]
+    # Per bucket of R pairs sharing an item: its pages copied once [n, K, Hkv, D], position order.
+    buckets = []
+    scores = padded_query.new_empty((num_kv_heads, num_pairs, group, keys_per_item))
+    for members in part.shared:
+        num_shared, size = members.shape
+        pages = part.pair_pages[members[:, 0]]
+        item_shape = (num_shared, keys_per_item, num_kv_heads, head_dim)
+        keys = _gather_pages(kv_layer, KEY, pages).view(item_shape)
+        values = _gather_pages(kv_layer, VALUE, pages).view(item_shape)
+        rows = (
+            pair_query[members]
+            .permute(2, 0, 1, 3, 4)
+            .reshape(num_kv_heads, num_shared, size * group, head_dim)
+        )
+        shared_scores = padded_query.new_empty((num_kv_heads, num_shared, size * group, keys_per_item))
+        for head in range(num_kv_heads):
+            torch.bmm(rows[head], keys[:, :, head].transpose(1, 2), out=shared_scores[head])
+        scores[:, members.reshape(-1)] = shared_scores.view(
+            num_kv_heads, num_shared * size, group, keys_per_item
+        )
+        buckets.append((members, values))
+    scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[None, :, :, :], float("-inf"))
+    # The row maximum over a token's pairs: exact in any order.
+    item_max = scores.new_full((num_kv_heads, num_units * part.num_items, group), float("-inf"))
+    item_max[:, part.pair_slot] = scores.amax(dim=-1)
+    unit_max = item_max.view(num_kv_heads, num_units, part.num_items, group).amax(dim=2)
+    weights = scores.sub_(unit_max[:, part.pair_unit, :, None]).exp_()  # hidden keys exactly 0
+    cast_weights = weights.to(dtype)
+    partial = padded_query.new_empty((num_kv_heads, num_pairs, group, head_dim))
+    for members, values in buckets:
+        num_shared, size = members.shape
+        shared_weights = cast_weights[:, members.reshape(-1)].view(
+            num_kv_heads, num_shared, size * group, keys_per_item
+        )
+        shared_partial = padded_query.new_empty((num_kv_heads, num_shared, size * group, head_dim))
+        for head in range(num_kv_heads):
+            torch.bmm(shared_weights[head], values[:, :, head], out=shared_partial[head])
+        partial[:, members.reshape(-1)] = shared_partial.view(
+            num_kv_heads, num_shared * size, group, head_dim
+        )
+    leaves = partial.new_zeros((num_kv_heads, num_units * part.num_items, group, head_dim))
+    leaves[:, part.pair_slot] = partial
+    numerator = tree_sum(leaves.view(num_kv_heads, num_units, part.num_items, group, head_dim), dim=2)
+    weight_leaves = weights.new_zeros((num_kv_heads, num_units * part.num_items, group))
+    weight_leaves[:, part.pair_slot] = tree_sum(weights, dim=-1)
+    denominator = tree_sum(weight_leaves.view(num_kv_heads, num_units, part.num_items, group), dim=2)
+    unit_output = (numerator.to(softmax_dtype) / denominator[..., None]).to(dtype)  # [Hkv, U, G, D]
+    output[part.token_index[:, 0]] = unit_output.transpose(0, 1).reshape(num_units, num_heads, head_dim)
