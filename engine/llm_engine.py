@@ -133,7 +133,10 @@ class LLMEngine:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             if not chunk.is_last:
-                continue  # the logits of a chunk's last token are not needed; more chunks follow
+                # The logits of a chunk's last token are not needed; more chunks follow. Its full
+                # blocks are published now, so a prompt admitted meanwhile reuses them.
+                self._commit_computed_blocks(request)
+                continue
             if request.is_prefill_only:
                 result = self._complete_prefill(request, logprobs[row])
                 outputs.append(
@@ -416,6 +419,29 @@ class LLMEngine:
             snapshot_lens = [num_tokens for num_tokens, _ in self._prompt_snapshots(request)]
         table = request.tables[0]
         self._copy_snapshots(self.kv_cache.commit(table, request.prompt_ids, request.salt, snapshot_lens))
+
+    def _commit_computed_blocks(self, request: Request) -> None:
+        """Publish the full blocks a part-way prefill has written, with their snapshots.
+
+        Their KV is final: the later chunks only write the blocks after them, and a token's KV
+        does not depend on the chunk it was computed in (batch invariance). So a prompt sharing
+        the prefix, admitted while this one is still in its chunks, reuses them instead of
+        computing the prefix again. Commit is idempotent: the prompt's final commit publishes
+        them again as no-ops."""
+        num_full_tokens = request.num_computed_tokens // self.cache_config.tokens_per_block
+        num_full_tokens *= self.cache_config.tokens_per_block
+        if num_full_tokens <= request.num_cached_tokens:
+            return  # nothing written past what the prompt reused
+        snapshot_lens: list[int] = []
+        if self.state_pool is not None:
+            snapshot_lens = [
+                num_tokens
+                for num_tokens, _ in self._prompt_snapshots(request)
+                if num_tokens <= num_full_tokens
+            ]
+        table = request.tables[0]
+        prefix_ids = request.prompt_ids[:num_full_tokens]
+        self._copy_snapshots(self.kv_cache.commit(table, prefix_ids, request.salt, snapshot_lens))
 
     def _complete_prefill(self, request: Request, logprobs: torch.Tensor) -> PrefillResult:
         """A prefill-only request's last chunk ran: commit and pin its table, return its candidates.

@@ -273,7 +273,70 @@ def test_abort_drops_a_half_prefilled_request(model: str) -> None:
     engine.check_integrity()
     assert not engine.has_unfinished()
     assert engine.num_blocks_in_use() == 0
-    assert engine.kv_cache.allocator.num_cached_blocks() == 0, "nothing part-way was published"
+    # What its chunks wrote stays published (cached, free to evict): the whole blocks and no more.
+    assert engine.kv_cache.allocator.num_cached_blocks() == request.num_computed_tokens // TOKENS_PER_BLOCK
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+@pytest.mark.parametrize("context_side", [False, True])
+def test_a_prompt_admitted_mid_prefill_reuses_the_blocks_already_written(
+    model: str, context_side: bool
+) -> None:
+    """A prompt's full blocks are published chunk by chunk: a prompt sharing its prefix, admitted
+    while the first is still in its chunks, starts from them and gets the bits it gets alone."""
+    budget, first, second = 48, LONG, LONG[:200] + prompt_of(60, 9)
+    params = SamplingParams(beam_width=2, max_new_tokens=5, ignore_eos=True)
+    alone = {}
+    for request_id, prompt in (("first", first), ("second", second)):
+        engine = make_engine(WHOLE, model)
+        if context_side:
+            alone[request_id] = engine.prefill(request_id, prompt, 6)
+        else:
+            outputs: dict[str, RequestOutput] = {}
+            engine.add_request(request_id, prompt, params)
+            run_to_completion(engine, outputs)
+            alone[request_id] = outputs[request_id].beams
+
+    engine = make_engine(budget, model)
+    results: dict[str, Any] = {}
+
+    def add(request_id: str, prompt: list[int]) -> None:
+        if context_side:
+            engine.add_prefill(request_id, prompt, 6)
+        else:
+            engine.add_request(request_id, prompt, params)
+
+    def collect(outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished:
+                assert output.error is None, output.error
+                results[output.request_id] = output.prefill if context_side else output.beams
+                if not context_side:
+                    results[output.request_id + ".reused"] = output.stats["reused_tokens"]
+
+    add("first", first)
+    for _ in range(3):  # 3 chunks of 48: 144 tokens, 9 whole blocks of 16
+        collect(engine.step())
+        engine.check_integrity()
+    assert engine._requests["first"].num_computed_tokens == 144
+    add("second", second)  # admitted by the next step, before that step's chunk of the first runs
+    while engine.has_unfinished():
+        collect(engine.step())
+        engine.check_integrity()
+    if context_side:
+        for request_id in ("first", "second"):
+            got, expected = results[request_id], alone[request_id]
+            assert got.candidate_ids == expected.candidate_ids, request_id
+            assert got.candidate_logprobs == expected.candidate_logprobs, request_id
+            assert got.recurrent_state == expected.recurrent_state, request_id
+        assert results["second"].reused_tokens == 144, "it starts from the first's written blocks"
+        for request_id in ("first", "second"):
+            engine.release_prefill(request_id)
+    else:
+        assert results["first"] == alone["first"] and results["second"] == alone["second"]
+        assert results["second.reused"] == 144, "it starts from the first's written blocks"
+    engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
 
 
 def test_add_prefill_out_of_blocks_holds_nothing() -> None:
