@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -63,6 +64,7 @@ STARTUP_TIMEOUT_S = 300.0
 PROBE_BEAM_WIDTH = 4
 ITL_PROMPT_LEN = 512
 TTFT_REPEATS = report_rules.TTFT_REPEATS
+ITL_REPEATS = report_rules.ITL_REPEATS
 SYSTEM_INDEX = {"disaggregated": 0, "aggregated": 1}  # tells the fresh prompts of the probes apart
 # --quick and the full run; an explicit flag wins over either.
 FULL = {
@@ -128,24 +130,49 @@ def _samples(records: list[Any]) -> dict[str, list[float]]:
     }
 
 
-def _itl_summary(record: Any, problems: list[str], what: str) -> dict[str, Any]:
-    if not record.is_ok:
-        problems.append(f"{what}: {record.error or 'no tokens'}")
-        return {"error": record.error}
-    gaps = [gap * 1000 for gap in record.inter_token_gaps_s()]
-    return {
-        "itl_ms_p50": round(workload.percentile(gaps, 0.5), 3),
-        "itl_ms_p99": round(workload.percentile(gaps, 0.99), 3),
-        "ttft_ms": round(record.ttft_s * 1000, 3),
-    }
-
-
-def probe_itl(deployments: dict[str, str], spec: Any, problems: list[str]) -> dict[str, Any]:
-    """One greedy request alone on each deployment."""
-    result = {}
-    for name, address in deployments.items():
-        record = clients.run_alone(address, spec, workload.RequestRecord, f"itl-{name}")
-        result[name] = _itl_summary(record, problems, f"single-request itl {name}")
+def probe_itl(
+    deployments: dict[str, str],
+    reference: Callable[[Any], Any],
+    settings: dict[str, Any],
+    prompt_len: int,
+    vocab_size: int,
+    problems: list[str],
+) -> dict[str, Any]:
+    """One greedy request alone, ITL_REPEATS times on each deployment and through transformers
+    (`reference`), in one window: a fresh prompt per repeat, the same on every system, and the
+    systems' order rotating between repeats, so the host's noise falls on all three alike. Gaps
+    are pooled over the repeats."""
+    systems = [*deployments, "transformers"]
+    records: dict[str, list[Any]] = {name: [] for name in systems}
+    for repeat in range(ITL_REPEATS):
+        spec = _fresh(1, prompt_len, vocab_size, 1, settings["itl_new_tokens"], repeat)
+        shift = repeat % len(systems)
+        for name in systems[shift:] + systems[:shift]:
+            if name == "transformers":
+                record = reference(spec)
+            else:
+                record = clients.run_alone(
+                    deployments[name], spec, workload.RequestRecord, f"itl-{name}-{repeat}"
+                )
+            if record.is_ok:
+                records[name].append(record)
+            else:
+                problems.append(f"single-request itl {name}, repeat {repeat}: {record.error or 'no tokens'}")
+    result: dict[str, Any] = {"repeats": ITL_REPEATS}
+    for name, found in records.items():
+        if not found:
+            result[name] = {"error": "no request finished"}
+            continue
+        gaps = [gap * 1000 for record in found for gap in record.inter_token_gaps_s()]
+        result[name] = {
+            "itl_ms_p50": round(workload.percentile(gaps, 0.5), 3),
+            "itl_ms_p99": round(workload.percentile(gaps, 0.99), 3),
+            "itl_ms_p50_per_request": [
+                round(workload.percentile([gap * 1000 for gap in record.inter_token_gaps_s()], 0.5), 3)
+                for record in found
+            ],
+            "ttft_ms_all": [round(record.ttft_s * 1000, 3) for record in found],
+        }
     return result
 
 
@@ -210,8 +237,10 @@ def run_servers(
     preset: Any,
     kv_cache_gib: float,
     report: dict[str, Any],
+    reference: Any,
 ) -> dict[str, list[Any]]:
-    """Both deployments: the replay on each in turn, then the requests alone."""
+    """Both deployments: the replay on each in turn, then the requests alone (the greedy one
+    alternating with `reference`, the loaded transformers system, which is idle otherwise)."""
     from beamsplit.launch.local_cluster import start_local_cluster
 
     page_bytes = BLOCK_SIZE * preset.kv_bytes_per_token(DTYPE_BYTES)
@@ -238,16 +267,20 @@ def run_servers(
         for name, address in deployments.items():
             records[name], report["systems"][name] = _replay_ours(name, address, pools[name], specs)
             report["systems"][name]["peak_kv_bytes"] = report["systems"][name]["peak_kv_blocks"] * page_bytes
-        _say("requests alone: one greedy (inter-token latency), the longest prompt (TTFT), one beam-4 (KV)")
-        itl_spec = _fresh(
-            1,
-            report["single_request_itl"]["prompt_tokens"],
-            preset.vocab_size,
-            1,
-            settings["itl_new_tokens"],
-            0,
+        _say(
+            f"requests alone: one greedy x {ITL_REPEATS} on each deployment and transformers (inter-token "
+            f"latency), the longest prompt x {TTFT_REPEATS} (TTFT), one beam-4 (KV)"
         )
-        report["single_request_itl"].update(probe_itl(deployments, itl_spec, problems))
+        report["single_request_itl"].update(
+            probe_itl(
+                deployments,
+                reference.run_alone,
+                settings,
+                report["single_request_itl"]["prompt_tokens"],
+                preset.vocab_size,
+                problems,
+            )
+        )
         report["ttft_long_prompt_alone"] = probe_ttft(
             deployments, settings["max_prompt_len"], preset.vocab_size, problems
         )
@@ -260,31 +293,30 @@ def run_servers(
     return records
 
 
-def run_transformers(
-    settings: dict[str, Any], model_dir: Path, specs: list[Any], preset: Any, report: dict[str, Any]
-) -> list[Any]:
-    """The same replay and the same single greedy request through transformers `generate`."""
+def load_transformers(model_dir: Path, preset: Any, report: dict[str, Any]) -> Any:
+    """transformers on the same checkpoint, loaded and warmed up before our servers start (it
+    idles while they replay, and runs the greedy request alone next to theirs)."""
     reference = _sibling("serve_transformers")
     _say("loading the model into transformers")
-    system = reference.TransformersSystem(model_dir, preset.kv_bytes_per_token(DTYPE_BYTES))
+    system = reference.TransformersSystem(
+        model_dir, preset.kv_bytes_per_token(DTYPE_BYTES), workload.RequestRecord
+    )
     report["transformers"] = system.describe()
     system.generate([list(range(3, 67))], 2, 4)  # warm-up, not counted
     system.peak_kv_bytes = 0
-    bar = progress.ProgressBar(f"transformers ({len(specs)} requests)", len(specs) + 1)
+    return system
+
+
+def run_transformers(system: Any, specs: list[Any], report: dict[str, Any]) -> list[Any]:
+    """The same replay through transformers `generate`, after our servers are stopped."""
+    system.peak_kv_bytes = 0  # the replay's batches only, not the greedy probe's
+    bar = progress.ProgressBar(f"transformers ({len(specs)} requests)", len(specs))
     try:
-        records = system.replay(specs, workload.RequestRecord, bar.advance)
+        records = system.replay(specs, bar.advance)
         report["systems"]["transformers"] = {
             **workload.summarize_system(records),
             "peak_kv_bytes": system.peak_kv_bytes,
         }
-        itl = report["single_request_itl"]
-        itl_spec = _fresh(1, itl["prompt_tokens"], preset.vocab_size, 1, settings["itl_new_tokens"], 0)
-        single = {0: workload.RequestRecord(index=0, beam_width=1, sent_s=time.monotonic())}
-        system.run_batch([itl_spec], single)
-        itl["transformers"] = _itl_summary(
-            single[0], report["checks"]["problems"], "single-request itl transformers"
-        )
-        bar.advance()
     finally:
         bar.close()
     return records
@@ -334,8 +366,9 @@ def run_benchmark(arguments: argparse.Namespace) -> tuple[dict[str, Any], int]:
         },  # fmt: skip
         "checks": {"problems": []},
     }
-    records = run_servers(settings, model_dir, specs, preset, arguments.kv_cache_gib, report)
-    records["transformers"] = run_transformers(settings, model_dir, specs, preset, report)
+    reference = load_transformers(model_dir, preset, report)
+    records = run_servers(settings, model_dir, specs, preset, arguments.kv_cache_gib, report, reference)
+    records["transformers"] = run_transformers(reference, specs, report)
     report["goals"] = report_rules.build_goals(report)
     checks = report["checks"]
     count_problems = [

@@ -43,11 +43,12 @@ class _StepClock:
 
 
 class TransformersSystem:
-    def __init__(self, model_dir: Path, kv_bytes_per_token: int) -> None:
+    def __init__(self, model_dir: Path, kv_bytes_per_token: int, record_type: type) -> None:
         from transformers import LlamaForCausalLM
 
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.record_type = record_type  # workload.RequestRecord
         self.peak_kv_bytes = 0
 
     def describe(self) -> dict[str, Any]:
@@ -122,10 +123,20 @@ class TransformersSystem:
             record.finish_reasons = ["length"] * beam_width
             record.end_s = end
 
-    def replay(self, specs: Sequence[Any], record_type: type, on_done: Callable[[int], None]) -> list[Any]:
+    def run_alone(self, spec: Any) -> Any:
+        """One request now, alone: its record (the clock starts at the call)."""
+        records = {
+            spec.index: self.record_type(
+                index=spec.index, beam_width=spec.beam_width, sent_s=time.monotonic()
+            )
+        }
+        self.run_batch([spec], records)
+        return records[spec.index]
+
+    def replay(self, specs: Sequence[Any], on_done: Callable[[int], None]) -> list[Any]:
         start = time.monotonic()
         records = {
-            spec.index: record_type(
+            spec.index: self.record_type(
                 index=spec.index, beam_width=spec.beam_width, sent_s=start + spec.arrival_s
             )
             for spec in specs
