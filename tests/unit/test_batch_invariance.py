@@ -21,13 +21,17 @@ from engine.invariant_attention import PAGES_PER_ITEM, PROMPT_UNIT, prepare_inva
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 DTYPES = [torch.float32, torch.float64]
-LINEAR_PATHS = ["one-matmul", "grouped"]
+LINEAR_PATHS = ["columns", "one-matmul", "grouped"]
 
 
 @pytest.fixture(params=LINEAR_PATHS)
 def linear_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways invariant_linear keeps rows apart: one padded matmul where the BLAS was measured to
-    allow it (this build, so the check must say so), and the fixed-shape items it falls back to."""
+    """The three ways invariant_linear keeps rows apart, where the BLAS was measured to allow each
+    (this build allows the first two, so the checks must say so): prompt rows in one padded
+    matmul and decode rows in column groups; every row in one padded matmul but single decode
+    rows (a matrix-vector product each); fixed-shape items."""
+    if request.param != "columns":
+        monkeypatch.setattr(batch_invariant, "columns_are_independent", lambda *args: False)
     if request.param == "grouped":
         monkeypatch.setattr(batch_invariant, "rows_are_independent", lambda *args: False)
     return str(request.param)
@@ -41,6 +45,51 @@ def test_the_blas_here_keeps_matmul_rows_apart(dtype: torch.dtype) -> None:
             in_features, out_features, dtype, "cpu", torch.get_num_threads()
         )
     assert not batch_invariant.rows_are_independent(256, 384, dtype, "cuda", 1)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.bfloat16])
+def test_the_blas_here_keeps_groups_of_four_columns_apart(dtype: torch.dtype) -> None:
+    """The measurement the column path rests on, for the shapes of the models tested here."""
+    for in_features, out_features in ((256, 384), (64, 262), (256, 512), (1024, 2816), (1024, 32000)):
+        assert batch_invariant.columns_are_independent(
+            in_features, out_features, dtype, "cpu", torch.get_num_threads()
+        )
+    assert not batch_invariant.columns_are_independent(256, 384, dtype, "cuda", 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_do_not_depend_on_the_batch(dtype: torch.dtype, linear_path: str) -> None:
+    """A decode row (greedy, or one beam of a request) gives the same bits alone, next to other
+    requests' beams and singles, and next to prompt rows, wherever it sits."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(384, 256, generator=generator, dtype=dtype)
+    row = torch.randn(256, generator=generator, dtype=dtype)
+    for width in (1, 2, 4):
+        alone_rows = torch.randn(width, 256, generator=generator, dtype=dtype)
+        alone_rows[width - 1] = row
+        with batch_invariant.row_layout(batch_invariant.make_row_layout([1] * width, [width] * width, "cpu")):
+            alone = invariant_linear(alone_rows, weight, None)[width - 1]
+        torch.testing.assert_close(alone, torch.nn.functional.linear(row, weight))
+        # (rows per sequence, group sizes) of the other sequences, before and after this request's
+        for before, after in (
+            (([1], [1]), ([], [])),
+            (([1, 1, 1, 1], [4, 4, 4, 4]), ([1], [1])),
+            (([37], [0]), ([1, 1], [2, 2])),
+            (([1, 1, 1], [1, 1, 1]), ([20, 1, 1, 1], [0, 3, 3, 3])),
+            (([5, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]), ([1] * 8, [8] * 8)),
+        ):
+            num_new_tokens = [*before[0], *([1] * width), *after[0]]
+            group_sizes = [*before[1], *([width] * width), *after[1]]
+            batch = torch.randn(sum(num_new_tokens), 256, generator=generator, dtype=dtype)
+            position = sum(before[0]) + width - 1
+            batch[position] = row
+            layout = batch_invariant.make_row_layout(num_new_tokens, group_sizes, "cpu")
+            with batch_invariant.row_layout(layout):
+                assert torch.equal(invariant_linear(batch, weight, None)[position], alone), (
+                    width,
+                    before,
+                    after,
+                )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
