@@ -8,17 +8,19 @@ next to any rows; a fixed-shape matmul does too, and a batched matmul of fixed-s
 every item the same bits whatever the item count.
 
 So every matmul here has a shape that depends on nothing but the token's role and its own request,
-or is one that was measured not to care. `invariant_linear`: where `rows_are_independent`
-measured it safe (once per shape, dtype and thread count, in the running process), prompt rows
-and beam requests' rows go through one matmul padded to a multiple of MATMUL_ROW_MULTIPLE rows,
-and a single-row decode request's row through a matrix-vector product of its own. Otherwise rows
+or is one that was measured not to care. `invariant_linear`: where `rows_are_independent` and
+`columns_are_independent` measured it safe (once per shape, dtype and thread count, in the
+running process), prompt rows go through one matmul padded to a multiple of MATMUL_ROW_MULTIPLE
+rows and every decode row through `weight @ group.T`, COLUMN_GROUP rows as columns per call.
+Where only the rows are, prompt rows and beam requests' rows share the padded matmul and a
+single-row decode request's row gets a matrix-vector product of its own. Otherwise rows
 run as a batched matmul of fixed-shape [rows, in] x [in, out] items: prompt tokens (and a
 prompt's last row at the LM head) PROMPT_ROW_CHUNK to an item, in any grouping; a decoding
 request's W beams one item of W rows. Either way the grouping of the forward pass in flight is a
 `RowLayout` that ModelRunner sets (`row_layout`); without one, all rows are one padded matmul (or
 ROW_CHUNK-row items). The attention's side is engine/invariant_attention.py.
 
-The cost is padding (up to 3 zero rows per matmul); `bench invariance` measures it with the
+The cost is padding (up to 3 zero rows or columns per call); `bench invariance` measures it with the
 attention's. See docs/engine.md, "Batch invariance".
 """
 
@@ -238,11 +240,11 @@ def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """hidden [M, in] -> [M, out], each row's bits independent of the other rows.
 
-    Where `rows_are_independent` measured it safe: prompt rows and beam requests' rows in one
-    matmul padded to a multiple of 4 rows (the weights are read once per step), and each
-    single-row decode request's row as a matrix-vector product (a greedy request alone is as fast
-    as in transformers; a 4-row matmul costs about 2.5x a gemv here). Otherwise each row inside a
-    fixed-shape item (see RowLayout)."""
+    Where both checks pass: prompt rows in one matmul padded to a multiple of 4 rows, decode rows
+    4 to a `weight @ rows.T` call (one weight read per 4 decode rows; faster than a gemv for one
+    row here, and a 4-row matmul costs about 2.5x a gemv). Where only `rows_are_independent`
+    does: prompt and beam rows in the padded matmul, each single-row decode request's row as a
+    matrix-vector product. Otherwise each row inside a fixed-shape item (see RowLayout)."""
     num_rows, in_features = hidden.shape
     layout = _ROW_LAYOUT.get()
     groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)
