@@ -6,8 +6,8 @@ from the `OutputStream` opened for it. The engine thread runs queued commands, t
 when work is pending, routes each `RequestOutput` to its stream, and reports the pool occupancy
 after every iteration so metrics never have to reach into the engine.
 
-The aggregated server runs the loop on its main thread (`run_here`), the thread that loaded the
-model: torch's OpenMP pool belongs to the thread that calls into it, and a second pool (the main
+The aggregated server runs the loop on its main thread (`run_in_caller`, then `run_here`), the
+thread that loaded the model: torch's OpenMP pool belongs to the thread that calls into it, and a second pool (the main
 thread's, from loading) made every step of an engine on its own thread slower. Measured on the
 156M model, one greedy request, median ms per token: main thread 36 to 46, engine thread alone
 42 to 54, engine thread after the main thread ran one parallel op 53 to 73. The workers keep
@@ -58,8 +58,11 @@ class EngineLoop:
         idle_wait_s: float = 0.02,
         name: str = "engine",
         step_delay_s: float = 0.0,
+        run_in_caller: bool = False,
     ) -> None:
-        """step_delay_s: a test hook (BEAMSPLIT_TEST_STEP_DELAY_S): sleep after each step."""
+        """step_delay_s: a test hook (BEAMSPLIT_TEST_STEP_DELAY_S): sleep after each step.
+        run_in_caller: the loop takes commands from now on, and the caller's thread runs it later
+        with `run_here` (instead of `start`)."""
         self._engine = engine
         self._on_iteration = on_iteration
         self._idle_wait_s = idle_wait_s
@@ -70,19 +73,18 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._exited = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._runs_in_caller = False
+        self._runs_in_caller = run_in_caller
 
     def start(self) -> None:
         """Runs the loop on a thread of its own."""
+        if self._runs_in_caller:
+            raise RuntimeError("this loop runs in its caller's thread: call run_here, not start")
         self._thread.start()
 
-    def will_run_here(self) -> None:
-        """Accept commands now; the caller's thread enters `run_here` soon."""
-        self._runs_in_caller = True
-
     def run_here(self) -> None:
-        """Runs the loop on the calling thread until `stop`."""
-        self._runs_in_caller = True
+        """Runs the loop on the calling thread until `stop` (a loop made with run_in_caller)."""
+        if not self._runs_in_caller:
+            raise RuntimeError("this loop runs on a thread of its own: call start, not run_here")
         self._thread = threading.current_thread()
         self._run()
 

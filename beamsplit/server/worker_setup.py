@@ -65,11 +65,11 @@ def start_engine(
     config = engine.config  # the pool size is settled once the model is loaded
     metrics.kv_blocks_total.set(config.cache.num_blocks)
     metrics.observe_engine(engine)
-    loop = EngineLoop(engine, on_iteration=metrics.observe_engine, step_delay_s=step_delay_s)
+    loop = EngineLoop(
+        engine, on_iteration=metrics.observe_engine, step_delay_s=step_delay_s, run_in_caller=run_in_caller
+    )
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
-    if run_in_caller:
-        loop.will_run_here()
-    else:
+    if not run_in_caller:
         loop.start()
     return EngineHandle(engine=engine, loop=loop, config=config)
 

@@ -125,3 +125,23 @@ def test_stopped_loop_refuses_work_and_ends_streams() -> None:
         loop.call(lambda owned: None, timeout_s=1.0)
     with pytest.raises(queue.Empty):
         stream.get(timeout_s=0.01)
+
+
+def test_a_loop_run_in_its_caller_takes_commands_before_it_runs() -> None:
+    """The aggregated server's way: commands queue while the main thread finishes its set-up, and
+    run once that thread enters run_here; start and run_here each refuse the other kind of loop."""
+    loop = EngineLoop(ScriptedEngine(), run_in_caller=True)
+    assert loop.is_running
+    future = loop.submit(lambda owned: threading.current_thread().name)
+    with pytest.raises(RuntimeError, match="run_here"):
+        loop.start()
+    caller = threading.Thread(target=loop.run_here, name="caller", daemon=True)
+    caller.start()
+    try:
+        assert future.result(timeout=5.0) == "caller"
+    finally:
+        loop.stop()
+        caller.join(timeout=5.0)
+    assert not caller.is_alive() and not loop.is_running
+    with pytest.raises(RuntimeError, match="start"):
+        EngineLoop(ScriptedEngine()).run_here()
