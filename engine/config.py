@@ -54,8 +54,9 @@ class EngineConfig:
     # A request's tokens and scores do not depend on what else is in the batch (fixed-shape
     # kernels, engine/batch_invariant.py and engine/invariant_attention.py). On by default: its
     # attention is also the varlen one (the plain kernel pads every sequence to the batch's longest query, ruinous when decode steps
-    # share a batch with prompt chunks); bench invariance measured it at 0.98-1.03x of the plain
-    # kernels, 0.51x for a 2048-token prefill and 0.53x for 8 beam-4 requests decoding (stop 18).
+    # share a batch with prompt chunks); bench invariance measured it at 0.96-1.07x of the plain
+    # kernels, 0.59x for a 2048-token prefill, 0.55x for a beam-4 request decoding and 0.74x for
+    # 8 of them (stop 19).
     batch_invariant: bool = True
     # Tokens one forward pass may feed: one per decoding beam first, then prompt chunks in order
     # (chunked prefill, docs/engine.md). At least max_num_seqs: the beams admitted next to a prompt
