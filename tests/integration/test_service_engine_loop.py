@@ -145,3 +145,57 @@ def test_a_loop_run_in_its_caller_takes_commands_before_it_runs() -> None:
     assert not caller.is_alive() and not loop.is_running
     with pytest.raises(RuntimeError, match="start"):
         EngineLoop(ScriptedEngine()).run_here()
+
+
+def test_a_worker_engine_thread_holds_the_torch_threads_and_the_main_thread_one() -> None:
+    """start_engine for a worker (loop on its own thread): the loop thread gets the process's torch
+    threads and the thread that loaded the model keeps one, so the process holds one OpenMP pool
+    of that size (two pools made libgomp stop spinning and every decode step slower)."""
+    import torch
+
+    from beamsplit.server.metrics import ServerMetrics
+    from beamsplit.server.worker_setup import start_engine
+    from engine import CacheConfig, EngineConfig
+
+    before = torch.get_num_threads()
+    config = EngineConfig(
+        model="tiny", dtype="float32", cache=CacheConfig(tokens_per_block=16, num_blocks=64)
+    )
+    handle = start_engine(config, ServerMetrics("generation"))
+    try:
+        assert torch.get_num_threads() == 1
+        assert handle.loop.call(lambda engine: torch.get_num_threads(), timeout_s=30.0) == before
+    finally:
+        handle.loop.stop()
+        torch.set_num_threads(before)
+
+
+def test_workers_sharing_a_host_spin_briefly_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher starts every worker of its one host with GOMP_SPINCOUNT 100 (two spinning
+    pools on the same cores starve each other); a value in the environment wins; the coordinator
+    and the aggregated server (one engine, its loop on the main thread) keep libgomp's default."""
+    import subprocess
+    from pathlib import Path
+
+    from beamsplit.launch import launcher
+
+    environments: dict[str, dict[str, str]] = {}
+
+    class FakePopen:
+        def __init__(self, command: list[str], env: dict[str, str], **kwargs: object) -> None:
+            environments[command[command.index("serve") + 1]] = env
+            self.pid = 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    group = launcher.ProcessGroup(Path("/tmp/beamsplit-test-launcher-env"))
+    for role in ("context", "generation", "aggregated", "coordinator"):
+        group.start(role, role, [])
+    assert environments["context"]["GOMP_SPINCOUNT"] == "100"
+    assert environments["generation"]["GOMP_SPINCOUNT"] == "100"
+    assert "GOMP_SPINCOUNT" not in environments["aggregated"]
+    assert "GOMP_SPINCOUNT" not in environments["coordinator"]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5000")
+    group.start("context", "context", [])
+    assert environments["context"]["GOMP_SPINCOUNT"] == "5000"
+    group.processes.clear()  # nothing was started
