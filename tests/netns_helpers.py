@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from beamsplit.launch.launcher import SHARED_HOST_WORKER_ENV, stop_processes
+from beamsplit.launch.launcher import stop_processes
 
 ADDRESS_A = "10.231.7.1"
 ADDRESS_B = "10.231.7.2"
@@ -184,8 +184,7 @@ class NsProcessGroup:
                 exec_argv(namespace, argv),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                # The namespaces are separate hosts to the network, not to the CPU: they share its cores.
-                env={**SHARED_HOST_WORKER_ENV, **os.environ, **(env or {})},
+                env={**os.environ, **(env or {})},
                 cwd=_REPO_ROOT,
                 start_new_session=True,
             )

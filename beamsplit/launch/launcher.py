@@ -23,12 +23,6 @@ from beamsplit.server.server_common import wait_until_healthy
 from beamsplit.server.tls import TlsConfig
 
 HOST = "127.0.0.1"  # the servers' default --host, which the launcher relies on rather than passes
-# Workers started here share one host's cores. Each holds one OpenMP pool, whose threads spin at
-# its barriers (GOMP_SPINCOUNT 300000 by default): alone on a host that keeps a decode step fast,
-# but two workers spinning on the same cores starve each other (docs/service.md, "The engine
-# thread"). 100 spins is what libgomp itself falls back to when it sees more threads than cores.
-SHARED_HOST_WORKER_ENV = {"GOMP_SPINCOUNT": "100"}
-WORKER_ROLES = ("context", "generation")
 
 
 class PortPicker:
@@ -182,14 +176,12 @@ class ProcessGroup:
         if same_ports_as is not None:
             self.processes.remove(same_ports_as)
             log_path = self.log_dir / f"{name}.{len(list(self.log_dir.glob(name + '.*log')))}.log"
-        # The caller's environment wins over the shared-host default (a user's GOMP_SPINCOUNT too).
-        shared_host = SHARED_HOST_WORKER_ENV if role in WORKER_ROLES else {}
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
                 command,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env={**shared_host, **os.environ, **(env or {})},
+                env={**os.environ, **(env or {})},
                 start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher, which stops us
             )
         server = ServerProcess(name, process, port, metrics_port, log_path, http_port)

@@ -56,16 +56,8 @@ def start_engine(
     run_in_caller: the loop takes commands now, and the caller's thread (which loaded the model)
     runs it later with `handle.loop.run_here()`; otherwise it starts on a thread of its own.
     step_delay_s: the test hook of that name (FaultHooks)."""
-    import torch
-
     from engine import LLMEngine
 
-    num_threads = torch.get_num_threads()
-    if not run_in_caller:
-        # torch's OpenMP pool belongs to the thread that calls into it. The loop thread gets the
-        # process's threads; the main thread keeps a pool of one (itself), so the process holds one
-        # pool of num_threads, not two (docs/service.md, "The engine thread").
-        torch.set_num_threads(1)
     try:
         engine = LLMEngine(config, queue_limits)
     except (OSError, ValueError) as error:  # missing files, bad checkpoints, refused formats
@@ -74,11 +66,7 @@ def start_engine(
     metrics.kv_blocks_total.set(config.cache.num_blocks)
     metrics.observe_engine(engine)
     loop = EngineLoop(
-        engine,
-        on_iteration=metrics.observe_engine,
-        step_delay_s=step_delay_s,
-        run_in_caller=run_in_caller,
-        on_thread_start=lambda: torch.set_num_threads(num_threads),
+        engine, on_iteration=metrics.observe_engine, step_delay_s=step_delay_s, run_in_caller=run_in_caller
     )
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
     if not run_in_caller:
