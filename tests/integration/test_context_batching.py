@@ -137,6 +137,8 @@ def test_prefill_past_the_engine_timeout_is_aborted_part_way(side: ContextSide) 
         assert service.num_holds == 0
         side.wait_for_zero_blocks()
         assert len(side.forwards) < 16, "dropped before its end"
-        assert side.loop.call(lambda engine: engine.kv_cache.allocator.num_cached_blocks()) == 0
+        # What its chunks wrote stays published (cached, evictable): 64 tokens, 4 whole blocks, each.
+        cached = side.loop.call(lambda engine: engine.kv_cache.allocator.num_cached_blocks())
+        assert cached == len(side.forwards) * 64 // 16
     finally:
         service.shutdown()
