@@ -214,27 +214,28 @@ def columns_are_independent(
     return True
 
 
+def _pad_rows(rows: torch.Tensor, multiple: int) -> torch.Tensor:
+    """rows [n, in], contiguous, with zero rows appended up to a multiple of `multiple`."""
+    num_rows, in_features = rows.shape
+    padded_rows = -(-num_rows // multiple) * multiple
+    rows = rows.contiguous()
+    if padded_rows == num_rows:
+        return rows
+    return torch.cat((rows, rows.new_zeros((padded_rows - num_rows, in_features))))
+
+
 def _column_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [n, in] -> [n, out] as `weight @ group.T`, COLUMN_GROUP rows (zero-padded) per call."""
-    num_rows, in_features = rows.shape
-    padded_rows = -(-num_rows // COLUMN_GROUP) * COLUMN_GROUP
-    rows = rows.contiguous()
-    if padded_rows != num_rows:
-        rows = torch.cat((rows, rows.new_zeros((padded_rows - num_rows, in_features))))
+    padded = _pad_rows(rows, COLUMN_GROUP)
     columns = [
-        weight @ rows[first : first + COLUMN_GROUP].t() for first in range(0, padded_rows, COLUMN_GROUP)
+        weight @ padded[first : first + COLUMN_GROUP].t() for first in range(0, padded.shape[0], COLUMN_GROUP)
     ]
-    return torch.cat(columns, dim=1).t()[:num_rows]
+    return torch.cat(columns, dim=1).t()[: rows.shape[0]]
 
 
 def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [M, in] -> [M, out] by one matmul over M rounded up to MATMUL_ROW_MULTIPLE rows."""
-    num_rows, in_features = rows.shape
-    padded_rows = -(-num_rows // MATMUL_ROW_MULTIPLE) * MATMUL_ROW_MULTIPLE
-    rows = rows.contiguous()
-    if padded_rows != num_rows:
-        rows = torch.cat((rows, rows.new_zeros((padded_rows - num_rows, in_features))))
-    return (rows @ weight.t())[:num_rows]
+    return (_pad_rows(rows, MATMUL_ROW_MULTIPLE) @ weight.t())[: rows.shape[0]]
 
 
 def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
