@@ -3,7 +3,7 @@
 Three ways in, one loop (`step`, one forward pass under the token budget):
 - aggregated: `add_request` -> prefill in the batch, chunk by chunk -> beams -> `step` until
   finished;
-- context side: `add_prefill` allocates a prompt now; `step` runs it in chunks next to other
+- context side (engine/context_side.py, mixed in): `add_prefill` allocates a prompt now; `step` runs it in chunks next to other
   prompts, then commits and pins its blocks and emits its first-step candidates
   (`RequestOutput.prefill`); `prefill` does the same for one prompt, synchronously;
   `release_prefill` unpins;
@@ -28,6 +28,7 @@ import torch
 
 from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams
+from engine.context_side import ContextSide
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
 from engine.loader import load_model
@@ -37,12 +38,12 @@ from engine.request_checks import check_fits_pool, check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
-from engine.types import EngineCounters, KVRegion, PrefillResult, PromptReservation, RequestOutput
+from engine.types import EngineCounters, KVRegion, PromptReservation, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(ContextSide):
     def __init__(self, config: EngineConfig, queue_limits: QueueLimits | None = None) -> None:
         """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
@@ -135,7 +136,7 @@ class LLMEngine:
             if not chunk.is_last:
                 # The logits of a chunk's last token are not needed; more chunks follow. Its full
                 # blocks are published now, so a prompt admitted meanwhile reuses them.
-                self._commit_computed_blocks(request)
+                self._commit_prompt(request, request.num_computed_tokens)
                 continue
             if request.is_prefill_only:
                 result = self._complete_prefill(request, logprobs[row])
@@ -176,56 +177,6 @@ class LLMEngine:
             for output in self.step():
                 if output.request_id == request_id and output.finished:
                     return output
-
-    # -- context side ---------------------------------------------------------------------------
-    def add_prefill(
-        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
-    ) -> None:
-        """Queue a prefill with one beam; the prompt's blocks are allocated now.
-
-        Following `step`s run the prompt in chunks next to the batch's other work; the step that
-        runs its last chunk commits it, pins its blocks until `release_prefill`, and returns a
-        finished RequestOutput whose `prefill` holds the PrefillResult. num_candidates <= 0 asks
-        for the whole vocabulary. Raises OutOfBlocksError (nothing held) when the pool cannot take
-        the prompt now, PoolTooSmallError when it never can; `abort` drops it at any point and
-        frees its blocks.
-        """
-        check_prompt(self.model_config, prompt_ids, 0)
-        if request_id in self._prefilled or request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        num_prompt_blocks = self.cache_config.blocks_for_tokens(len(prompt_ids))
-        pool_blocks = self.kv_cache.allocator.num_blocks
-        check_fits_pool(
-            request_id, f"{num_prompt_blocks} blocks for its prompt", num_prompt_blocks, pool_blocks
-        )
-        request = Request(request_id, list(prompt_ids), SamplingParams(), None, salt)
-        request.prefill_num_candidates = num_candidates
-        self.scheduler.add_prefill_only(request)
-        self._requests[request_id] = request
-
-    def prefill(
-        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
-    ) -> PrefillResult:
-        """`add_prefill` run to its end now, alone: chunks under the token budget, no other
-        request advances. Raises OutOfBlocksError (nothing held) when the pool cannot take it."""
-        self.add_prefill(request_id, prompt_ids, num_candidates, salt)
-        request = self._requests[request_id]
-        try:
-            while True:
-                num_tokens = min(request.num_uncomputed_tokens, self.config.max_num_batched_tokens)
-                logprobs = self.runner.compute_logprobs([self._chunk_input(request, num_tokens)])
-                request.num_computed_tokens += num_tokens
-                if request.num_uncomputed_tokens == 0:
-                    return self._complete_prefill(request, logprobs[0])
-        except BaseException:
-            self.abort(request_id)
-            raise
-
-    def release_prefill(self, request_id: str) -> None:
-        """Unpin a prefilled prompt (unknown or already released ids are ignored)."""
-        table = self._prefilled.pop(request_id, None)
-        if table is not None:
-            self.kv_cache.free(table)
 
     # -- generation side ---------------------------------------------------------------------
     def reserve_prompt(
@@ -412,56 +363,27 @@ class LLMEngine:
             request.tables[0], request.num_cached_tokens, request.prompt_len
         )
 
-    def _commit_prompt(self, request: Request) -> None:
-        """Publish the whole prompt (its KV is all written) with the snapshots its chunks stored."""
-        snapshot_lens: list[int] = []
-        if self.state_pool is not None:
-            snapshot_lens = [num_tokens for num_tokens, _ in self._prompt_snapshots(request)]
-        table = request.tables[0]
-        self._copy_snapshots(self.kv_cache.commit(table, request.prompt_ids, request.salt, snapshot_lens))
+    def _commit_prompt(self, request: Request, num_tokens: int | None = None) -> None:
+        """Publish the prompt's KV with the snapshots its chunks stored: all of it once it is all
+        written, or, part-way (`num_tokens` computed so far), the whole blocks written so far.
 
-    def _commit_computed_blocks(self, request: Request) -> None:
-        """Publish the full blocks a part-way prefill has written, with their snapshots.
-
-        Their KV is final: the later chunks only write the blocks after them, and a token's KV
-        does not depend on the chunk it was computed in (batch invariance). So a prompt sharing
+        Those blocks' KV is final: the later chunks only write the blocks after them, and a token's
+        KV does not depend on the chunk it was computed in (batch invariance). So a prompt sharing
         the prefix, admitted while this one is still in its chunks, reuses them instead of
-        computing the prefix again. Commit is idempotent: the prompt's final commit publishes
-        them again as no-ops."""
-        num_full_tokens = request.num_computed_tokens // self.cache_config.tokens_per_block
-        num_full_tokens *= self.cache_config.tokens_per_block
-        if num_full_tokens <= request.num_cached_tokens:
-            return  # nothing written past what the prompt reused
+        computing the prefix again. Commit is idempotent: the final commit publishes them again as
+        no-ops."""
+        prompt_ids = request.prompt_ids
+        if num_tokens is not None:
+            num_tokens -= num_tokens % self.cache_config.tokens_per_block
+            if num_tokens <= request.num_cached_tokens:
+                return  # nothing written past what the prompt reused
+            prompt_ids = prompt_ids[:num_tokens]
         snapshot_lens: list[int] = []
         if self.state_pool is not None:
             snapshot_lens = [
-                num_tokens
-                for num_tokens, _ in self._prompt_snapshots(request)
-                if num_tokens <= num_full_tokens
+                length for length, _ in self._prompt_snapshots(request) if length <= len(prompt_ids)
             ]
-        table = request.tables[0]
-        prefix_ids = request.prompt_ids[:num_full_tokens]
-        self._copy_snapshots(self.kv_cache.commit(table, prefix_ids, request.salt, snapshot_lens))
-
-    def _complete_prefill(self, request: Request, logprobs: torch.Tensor) -> PrefillResult:
-        """A prefill-only request's last chunk ran: commit and pin its table, return its candidates.
-
-        logprobs: [V] of the last prompt position."""
-        assert request.prefill_num_candidates is not None
-        self._commit_prompt(request)
-        state = self.state_pool.read(request.state_slot_ids[0]) if self.state_pool is not None else b""
-        table = request.tables[0]
-        request.tables = []  # handed over to the pins: remove() frees only the state slot
-        self._requests.pop(request.request_id, None)
-        self.scheduler.remove(request)
-        self._prefilled[request.request_id] = table
-        candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.prefill_num_candidates)
-        return PrefillResult(
-            request.request_id, list(table.block_ids), request.prompt_len, candidate_ids, candidate_logprobs,
-            request.num_cached_tokens,
-            recurrent_state=state,
-            num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
-        )  # fmt: skip
+        self._copy_snapshots(self.kv_cache.commit(request.tables[0], prompt_ids, request.salt, snapshot_lens))
 
     def _copy_snapshots(self, copies: list[CopyOp]) -> None:
         for copy in copies:

@@ -1,0 +1,116 @@
+"""The context side of LLMEngine: prompts prefilled with one beam and pinned until released.
+
+`add_prefill` allocates a prompt now; the engine's `step` runs it in chunks next to other work
+and, with its last chunk, commits and pins its blocks and returns its first-step candidates
+(`RequestOutput.prefill`). `prefill` does the same for one prompt, synchronously.
+`release_prefill` unpins. The engine's state lives on LLMEngine (engine/llm_engine.py), which
+mixes this in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import SamplingParams
+from engine.request import Request
+from engine.request_checks import check_fits_pool, check_prompt
+from engine.sampling import candidates_from_logprobs
+from engine.types import PrefillResult
+
+if TYPE_CHECKING:
+    from engine.config import CacheConfig, EngineConfig
+    from engine.kv_cache import BlockTable, KVCacheManager
+    from engine.model_config import ModelConfig
+    from engine.model_runner import ModelRunner, SequenceInput
+    from engine.scheduler import Scheduler
+    from engine.state_pool import StatePool
+
+
+class ContextSide:
+    """Mixed into LLMEngine; what it uses of LLMEngine is declared here."""
+
+    if TYPE_CHECKING:
+        config: EngineConfig
+        cache_config: CacheConfig
+        model_config: ModelConfig
+        kv_cache: KVCacheManager
+        state_pool: StatePool | None
+        runner: ModelRunner
+        scheduler: Scheduler
+        _requests: dict[str, Request]
+        _prefilled: dict[str, BlockTable]  # the pinned prompts
+
+        def abort(self, request_id: str) -> None: ...
+        def _chunk_input(self, request: Request, num_tokens: int) -> SequenceInput: ...
+        def _commit_prompt(self, request: Request, num_tokens: int | None = None) -> None: ...
+
+    def add_prefill(
+        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
+    ) -> None:
+        """Queue a prefill with one beam; the prompt's blocks are allocated now.
+
+        Following `step`s run the prompt in chunks next to the batch's other work; the step that
+        runs its last chunk commits it, pins its blocks until `release_prefill`, and returns a
+        finished RequestOutput whose `prefill` holds the PrefillResult. num_candidates <= 0 asks
+        for the whole vocabulary. Raises OutOfBlocksError (nothing held) when the pool cannot take
+        the prompt now, PoolTooSmallError when it never can; `abort` drops it at any point and
+        frees its blocks.
+        """
+        check_prompt(self.model_config, prompt_ids, 0)
+        if request_id in self._prefilled or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        num_prompt_blocks = self.cache_config.blocks_for_tokens(len(prompt_ids))
+        pool_blocks = self.kv_cache.allocator.num_blocks
+        check_fits_pool(
+            request_id, f"{num_prompt_blocks} blocks for its prompt", num_prompt_blocks, pool_blocks
+        )
+        request = Request(request_id, list(prompt_ids), SamplingParams(), None, salt)
+        request.prefill_num_candidates = num_candidates
+        self.scheduler.add_prefill_only(request)
+        self._requests[request_id] = request
+
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
+    ) -> PrefillResult:
+        """`add_prefill` run to its end now, alone: chunks under the token budget, no other
+        request advances. Raises OutOfBlocksError (nothing held) when the pool cannot take it."""
+        self.add_prefill(request_id, prompt_ids, num_candidates, salt)
+        request = self._requests[request_id]
+        try:
+            while True:
+                num_tokens = min(request.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+                logprobs = self.runner.compute_logprobs([self._chunk_input(request, num_tokens)])
+                request.num_computed_tokens += num_tokens
+                if request.num_uncomputed_tokens == 0:
+                    return self._complete_prefill(request, logprobs[0])
+        except BaseException:
+            self.abort(request_id)
+            raise
+
+    def release_prefill(self, request_id: str) -> None:
+        """Unpin a prefilled prompt (unknown or already released ids are ignored)."""
+        table = self._prefilled.pop(request_id, None)
+        if table is not None:
+            self.kv_cache.free(table)
+
+    def _complete_prefill(self, request: Request, logprobs: torch.Tensor) -> PrefillResult:
+        """A prefill-only request's last chunk ran: commit and pin its table, return its candidates.
+
+        logprobs: [V] of the last prompt position."""
+        assert request.prefill_num_candidates is not None
+        self._commit_prompt(request)
+        state = self.state_pool.read(request.state_slot_ids[0]) if self.state_pool is not None else b""
+        table = request.tables[0]
+        request.tables = []  # handed over to the pins: remove() frees only the state slot
+        self._requests.pop(request.request_id, None)
+        self.scheduler.remove(request)
+        self._prefilled[request.request_id] = table
+        candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.prefill_num_candidates)
+        return PrefillResult(
+            request.request_id, list(table.block_ids), request.prompt_len, candidate_ids, candidate_logprobs,
+            request.num_cached_tokens,
+            recurrent_state=state,
+            num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
+        )  # fmt: skip
