@@ -17,7 +17,12 @@ bytes, transfer, time to first token and end-to-end, measured from the request's
 front door; the two sends of one repeat go one after the other, in alternating order) and the
 aggregated server's ttft / e2e, plus e2e_ratio = disaggregated / aggregated
 and tokens_match (every beam's token ids equal on both sides, in every repeat). The point the
-numbers make: transferred_bytes depends on the prompt length only, never on W.
+numbers make: transferred_bytes depends on the prompt length only, never on W. decode_ms and
+aggregated_decode_ms (medians of e2e - ttft) and their decode_ratio follow the decode phase alone.
+
+Requests go one at a time, so the workers never compute at once: they run in the thread layout
+of a worker alone on its cores (no `--shares-cores`, docs/service.md "The engine thread"), as on
+a host each. `--shared-cores` starts them as the one-host launcher does by default.
 """
 
 from __future__ import annotations
@@ -72,6 +77,13 @@ def summarize(
     row["tokens_match"] = all(bool(sample["tokens_match"]) for sample in samples)
     aggregated = row["aggregated_e2e_ms"]
     row["e2e_ratio"] = round(row["e2e_ms"] / aggregated, 3) if aggregated > 0 else None
+    for prefix in ("", "aggregated_"):
+        decode = statistics.median(
+            float(sample[f"{prefix}e2e_ms"]) - float(sample[f"{prefix}ttft_ms"]) for sample in samples
+        )
+        row[f"{prefix}decode_ms"] = round(decode, 3)
+    aggregated_decode = row["aggregated_decode_ms"]
+    row["decode_ratio"] = round(row["decode_ms"] / aggregated_decode, 3) if aggregated_decode > 0 else None
     row["repeats"] = len(samples)
     return row
 
@@ -149,17 +161,24 @@ def run_cases(
     return rows
 
 
-def run_benchmark(quick: bool) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
+def run_benchmark(
+    quick: bool, workers_share_cores: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
     """Rows, and the KV blocks still in use on every engine server after the run (all 0 expected)."""
     from beamsplit.launch.local_cluster import start_local_cluster
 
     log_dir = Path(tempfile.mkdtemp(prefix="beamsplit-bench-service-"))
     engine_arguments = ["--model", "tiny", "--dtype", DTYPE, "--tokens-per-block", str(BLOCK_SIZE)]
-    _say(f"server logs in {log_dir}; engine flags {' '.join(engine_arguments)}")
-    cluster = start_local_cluster(log_dir, engine_arguments, _say, STARTUP_TIMEOUT_S)
+    layout = "--shares-cores" if workers_share_cores else "alone on their cores"
+    _say(f"server logs in {log_dir}; engine flags {' '.join(engine_arguments)}; workers {layout}")
+    cluster = start_local_cluster(
+        log_dir, engine_arguments, _say, STARTUP_TIMEOUT_S, workers_share_cores=workers_share_cores
+    )
     try:
         started = time.monotonic()
         rows = run_cases(cluster.coordinator.address, cluster.aggregated.address, quick, _say)
+        for row in rows:
+            row["workers_share_cores"] = workers_share_cores
         _say(f"cases took {time.monotonic() - started:.1f} s")
         time.sleep(0.3)  # the engine loops publish occupancy after their next iteration
         blocks = cluster.blocks_in_use()
@@ -232,11 +251,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON list")
     parser.add_argument("--quick", action="store_true", help="64-token prompts only, 2 repeats")
+    parser.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="start the workers with --shares-cores, as the one-host launcher does (default: the "
+        "layout of a worker alone on its cores; requests go one at a time)",
+    )
 
 
 def run(arguments: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    rows, blocks = run_benchmark(arguments.quick)
+    rows, blocks = run_benchmark(arguments.quick, arguments.shared_cores)
     plot_path = OUT_DIR / "service.png"
     plot(rows, plot_path)
     print(json.dumps(rows, indent=None if arguments.json else 1))

@@ -41,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     metrics = ServerMetrics("generation")
     hooks = FaultHooks.from_environment()
-    handle = start_engine(engine_config_from_args(args), metrics, step_delay_s=hooks.step_delay_s)
+    handle = start_engine(
+        engine_config_from_args(args),
+        metrics,
+        step_delay_s=hooks.step_delay_s,
+        shares_cores=args.shares_cores,
+    )
     agent = start_transfer_agent(handle, args, hooks)
     info = worker_info(handle)
     layout = LocalLayout(

@@ -75,6 +75,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             benchmark_parser.add_argument("--quick", action="store_true", help="fewer cases, smaller pools")
             if name == "invariance":
                 benchmark_parser.add_argument("--repeats", type=int, default=3, help="runs per setting")
+            if name == "service":
+                benchmark_parser.add_argument(
+                    "--shared-cores",
+                    action="store_true",
+                    help="start the workers with --shares-cores, as the one-host launcher does "
+                    "(default: as if alone on their cores; requests go one at a time)",
+                )
         benchmark_parser.set_defaults(handler=_runner(name))
 
 

@@ -105,8 +105,19 @@ def add_aggregated_arguments(parser: argparse.ArgumentParser) -> None:
     add_admission_arguments(parser)
 
 
+def add_shares_cores_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shares-cores",
+        action="store_true",
+        help="another busy process (the other worker of a one-host deployment) computes on this "
+        "host's cores: keep the torch thread layout that measured best there, not the faster one "
+        "for a worker alone on its cores (the one-host launcher sets it; docs/service.md)",
+    )
+
+
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_arguments(parser)
+    add_shares_cores_argument(parser)
     add_admission_arguments(parser)
     parser.add_argument(
         "--lease-s", type=float, default=30.0, help="how long pages stay pinned without a heartbeat"
@@ -115,6 +126,7 @@ def add_context_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_arguments(parser)
+    add_shares_cores_argument(parser)
     parser.add_argument("--pull-timeout-s", type=float, default=30.0, help="bound on one prompt's pull")
     add_admission_arguments(parser)
 

@@ -23,6 +23,7 @@ from beamsplit.server.server_common import wait_until_healthy
 from beamsplit.server.tls import TlsConfig
 
 HOST = "127.0.0.1"  # the servers' default --host, which the launcher relies on rather than passes
+WORKER_ROLES = ("context", "generation")
 
 
 class PortPicker:
@@ -144,6 +145,10 @@ class ProcessGroup:
     processes: list[ServerProcess] = field(default_factory=list)
     ports: PortPicker = field(default_factory=PortPicker)
     tls: TlsConfig | None = None  # how health waits connect: a CA (and client cert) for TLS servers
+    # Every process here runs on this host's cores: the workers get --shares-cores (their thread
+    # layout for computing side by side, docs/service.md "The engine thread"). False where they
+    # never compute at the same time (one request at a time, bench/service.py).
+    workers_share_cores: bool = True
 
     def start(
         self,
@@ -171,6 +176,8 @@ class ProcessGroup:
             "--port", str(port), "--metrics-port", str(metrics_port),
             *http_arguments, *arguments,
         ]  # fmt: skip
+        if role in WORKER_ROLES and self.workers_share_cores:
+            command.append("--shares-cores")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         if same_ports_as is not None:

@@ -47,15 +47,17 @@ def start_local_cluster(
     aggregated_arguments: Sequence[str] = (),
     http: bool = False,
     client_tls: TlsConfig | None = None,
+    workers_share_cores: bool = True,
 ) -> LocalCluster:
     """Starts all four at once (they load the model in parallel) and waits for each to be healthy.
 
     `http`: the coordinator and the aggregated server also serve the OpenAI-compatible front
     (`ServerProcess.http_url`). `client_tls`: how the health waits reach servers started with TLS.
+    `workers_share_cores`: ProcessGroup's (False only where the workers never compute at once).
 
     On any failure every process already started is stopped before the error propagates.
     """
-    group = ProcessGroup(log_dir, tls=client_tls)
+    group = ProcessGroup(log_dir, tls=client_tls, workers_share_cores=workers_share_cores)
     try:
         started = time.monotonic()
         context = group.start("context", "context", [*engine_arguments, *context_arguments])

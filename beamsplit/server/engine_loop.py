@@ -11,7 +11,9 @@ thread that loaded the model: torch's OpenMP pool belongs to the thread that cal
 thread's, from loading) made every step of an engine on its own thread slower. Measured on the
 156M model, one greedy request, median ms per token: main thread 36 to 46, engine thread alone
 42 to 54, engine thread after the main thread ran one parallel op 53 to 73. The workers keep
-their own engine thread (docs/service.md, "The engine thread").
+their own engine thread; alone on their cores they too hold one pool, the process's torch threads
+going to the loop thread (`on_thread_start`) and one to the main thread (docs/service.md, "The
+engine thread").
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ class EngineLoop:
         name: str = "engine",
         step_delay_s: float = 0.0,
         run_in_caller: bool = False,
+        on_thread_start: Callable[[], None] | None = None,
     ) -> None:
         """step_delay_s: a test hook (BEAMSPLIT_TEST_STEP_DELAY_S): sleep after each step.
         run_in_caller: the loop takes commands from now on, and the caller's thread runs it later
-        with `run_here` (instead of `start`)."""
+        with `run_here` (instead of `start`). on_thread_start: runs first on the loop's own thread
+        (`start`), e.g. to give that thread the process's torch threads."""
         self._engine = engine
         self._on_iteration = on_iteration
         self._idle_wait_s = idle_wait_s
@@ -72,8 +76,9 @@ class EngineLoop:
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()
         self._exited = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run_on_own_thread, name=name, daemon=True)
         self._runs_in_caller = run_in_caller
+        self._on_thread_start = on_thread_start
 
     def start(self) -> None:
         """Runs the loop on a thread of its own."""
@@ -132,6 +137,14 @@ class EngineLoop:
             return
         if self._runs_in_caller or self._thread.is_alive():
             self._exited.wait(timeout=timeout_s)
+
+    def _run_on_own_thread(self) -> None:
+        if self._on_thread_start is not None:
+            try:
+                self._on_thread_start()
+            except Exception:  # a thread set-up that failed must not leave the loop dead and silent
+                logger.exception("engine loop thread set-up failed")
+        self._run()
 
     def _run(self) -> None:
         try:

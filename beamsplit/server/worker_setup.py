@@ -51,13 +51,27 @@ def start_engine(
     queue_limits: QueueLimits | None = None,
     run_in_caller: bool = False,
     step_delay_s: float = 0.0,
+    shares_cores: bool = False,
 ) -> EngineHandle:
     """queue_limits: bounds on the scheduler's waiting queue (the aggregated server's queue).
     run_in_caller: the loop takes commands now, and the caller's thread (which loaded the model)
     runs it later with `handle.loop.run_here()`; otherwise it starts on a thread of its own.
-    step_delay_s: the test hook of that name (FaultHooks)."""
+    step_delay_s: the test hook of that name (FaultHooks). shares_cores: another busy process (the
+    other worker of a one-host deployment) computes on the same cores; see `one_pool` below."""
+    import torch
+
     from engine import LLMEngine
 
+    num_threads = torch.get_num_threads()
+    # torch's OpenMP pool belongs to the thread that calls into it. A loop on a thread of its own
+    # gets the process's threads, and the main thread loads the model with one (no pool), so the
+    # process holds one pool whose threads spin at its barriers: a decode step as fast as on the
+    # aggregated server, whose loop runs on the main thread. Workers sharing their cores keep
+    # the loading thread's pool too; with two pools libgomp spins less, which measured better
+    # with the other worker computing on the same cores (docs/service.md, "The engine thread").
+    one_pool = not run_in_caller and not shares_cores
+    if one_pool:
+        torch.set_num_threads(1)
     try:
         engine = LLMEngine(config, queue_limits)
     except (OSError, ValueError) as error:  # missing files, bad checkpoints, refused formats
@@ -66,7 +80,11 @@ def start_engine(
     metrics.kv_blocks_total.set(config.cache.num_blocks)
     metrics.observe_engine(engine)
     loop = EngineLoop(
-        engine, on_iteration=metrics.observe_engine, step_delay_s=step_delay_s, run_in_caller=run_in_caller
+        engine,
+        on_iteration=metrics.observe_engine,
+        step_delay_s=step_delay_s,
+        run_in_caller=run_in_caller,
+        on_thread_start=(lambda: torch.set_num_threads(num_threads)) if one_pool else None,
     )
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
     if not run_in_caller:

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from beamsplit.launch.launcher import PortPicker
+from beamsplit.launch.launcher import WORKER_ROLES, PortPicker
 from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS
 from tests.netns_helpers import (
     Bridge,
@@ -133,6 +133,8 @@ def start(
         str(metrics_port),
         *arguments,
     ]
+    if role in WORKER_ROLES:
+        argv.append("--shares-cores")  # separate hosts to the network, not to the CPU
     return Server(group.start(name, namespace, argv, env), host, port, metrics_port)
 
 

@@ -145,3 +145,64 @@ def test_a_loop_run_in_its_caller_takes_commands_before_it_runs() -> None:
     assert not caller.is_alive() and not loop.is_running
     with pytest.raises(RuntimeError, match="start"):
         EngineLoop(ScriptedEngine()).run_here()
+
+
+@pytest.mark.parametrize("shares_cores", [False, True])
+def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(shares_cores: bool) -> None:
+    """start_engine for a worker (loop on its own thread), alone on its cores: the loop thread
+    gets the process's torch threads and the thread that loaded the model keeps one, so the
+    process holds one OpenMP pool (two made libgomp's barriers slower and every decode step
+    with them). A worker sharing its cores keeps the process's threads on both."""
+    import torch
+
+    from beamsplit.server.metrics import ServerMetrics
+    from beamsplit.server.worker_setup import start_engine
+    from engine import CacheConfig, EngineConfig
+
+    before = torch.get_num_threads()
+    if before < 2:
+        torch.set_num_threads(2)  # one thread would not tell the layouts apart
+    num_threads = torch.get_num_threads()
+    config = EngineConfig(
+        model="tiny", dtype="float32", cache=CacheConfig(tokens_per_block=16, num_blocks=64)
+    )
+    handle = start_engine(config, ServerMetrics("generation"), shares_cores=shares_cores)
+    try:
+        assert torch.get_num_threads() == (num_threads if shares_cores else 1)
+        assert handle.loop.call(lambda engine: torch.get_num_threads(), timeout_s=30.0) == num_threads
+    finally:
+        handle.loop.stop()
+        torch.set_num_threads(before)
+
+
+def test_the_launcher_starts_workers_as_sharing_their_cores_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A one-host launch gives the context and generation workers --shares-cores (they compute
+    side by side on the same cores); the coordinator and the aggregated server take no such
+    flag; a group whose workers never compute at once (bench service) leaves it off."""
+    import subprocess
+    from pathlib import Path
+
+    from beamsplit.launch import launcher
+
+    commands: dict[str, list[str]] = {}
+
+    class FakePopen:
+        def __init__(self, command: list[str], **kwargs: object) -> None:
+            commands[command[command.index("serve") + 1]] = command
+            self.pid = 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    log_dir = Path("/tmp/beamsplit-test-launcher-flags")
+    group = launcher.ProcessGroup(log_dir)
+    for role in ("context", "generation", "aggregated", "coordinator"):
+        group.start(role, role, [])
+    assert "--shares-cores" in commands["context"] and "--shares-cores" in commands["generation"]
+    assert "--shares-cores" not in commands["aggregated"]
+    assert "--shares-cores" not in commands["coordinator"]
+    alone = launcher.ProcessGroup(log_dir, workers_share_cores=False)
+    alone.start("generation", "generation", [])
+    assert "--shares-cores" not in commands["generation"]
+    group.processes.clear()  # nothing was started
+    alone.processes.clear()

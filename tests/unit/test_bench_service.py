@@ -35,6 +35,8 @@ def test_summarize_takes_medians_and_the_ratio(service: Any) -> None:
     )
     assert row["case"] == "fresh" and row["prompt_tokens"] == 64 and row["beam_width"] == 4
     assert row["e2e_ms"] == 200.0 and row["aggregated_e2e_ms"] == 100.0 and row["e2e_ratio"] == 2.0
+    # decode = e2e - ttft per sample (ttft 10 and 5 ms): medians 190 and 95 ms
+    assert row["decode_ms"] == 190.0 and row["aggregated_decode_ms"] == 95.0 and row["decode_ratio"] == 2.0
     assert row["transferred_bytes"] == 32768 and isinstance(row["transferred_bytes"], int)
     assert row["tokens_match"] is True and row["repeats"] == 3
     assert "transferred_bytes_seen" not in row
@@ -66,3 +68,5 @@ def test_registered_as_bench_service() -> None:
     bench.register(parser.add_subparsers())
     arguments = parser.parse_args(["bench", "service", "--quick", "--json"])
     assert arguments.benchmark == "service" and arguments.quick and arguments.json
+    assert not arguments.shared_cores
+    assert parser.parse_args(["bench", "service", "--shared-cores"]).shared_cores
