@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 BLOCK_SIZE = 32
-TTFT_REPEATS = 3  # fresh longest prompts per deployment, alone, alternating (median)
+TTFT_REPEATS = 5  # fresh longest prompts per deployment, alone, alternating (median)
 ITL_REPEATS = 3  # greedy requests alone per system, the systems' order rotating (gaps pooled)
 
 
