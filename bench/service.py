@@ -249,14 +249,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from beamsplit.cli.bench import add_service_arguments
+
     parser.add_argument("--json", action="store_true", help="print only the JSON list")
-    parser.add_argument("--quick", action="store_true", help="64-token prompts only, 2 repeats")
-    parser.add_argument(
-        "--shared-cores",
-        action="store_true",
-        help="start the workers with --shares-cores, as the one-host launcher does (default: the "
-        "layout of a worker alone on its cores; requests go one at a time)",
-    )
+    add_service_arguments(parser)
 
 
 def run(arguments: argparse.Namespace) -> int:

@@ -3,10 +3,10 @@
 Three ways in, one loop (`step`, one forward pass under the token budget):
 - aggregated: `add_request` -> prefill in the batch, chunk by chunk -> beams -> `step` until
   finished;
-- context side (engine/context_side.py, mixed in): `add_prefill` allocates a prompt now; `step` runs it in chunks next to other
-  prompts, then commits and pins its blocks and emits its first-step candidates
-  (`RequestOutput.prefill`); `prefill` does the same for one prompt, synchronously;
-  `release_prefill` unpins;
+- context side (engine/context_side.py, mixed in): `add_prefill` allocates a prompt now; `step`
+  runs it in chunks next to other prompts, then commits and pins its blocks and emits its
+  first-step candidates (`RequestOutput.prefill`); `prefill` does the same for one prompt,
+  synchronously; `release_prefill` unpins;
 - generation side: `reserve_prompt` allocates the prompt's blocks (sharing what this engine's
   tree holds), the caller pulls the missing pages into them, `add_prefilled_request` starts
   decoding from the shipped candidates.

@@ -68,6 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         benchmark_parser.add_argument("--json", action="store_true", help="print only the JSON on stdout")
         if name == "serve":
             add_serve_arguments(benchmark_parser)
+        elif name == "service":
+            add_service_arguments(benchmark_parser)
         elif name == "soak":
             benchmark_parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs")
             benchmark_parser.add_argument("--concurrency", type=int, default=16, help="client threads")
@@ -75,14 +77,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             benchmark_parser.add_argument("--quick", action="store_true", help="fewer cases, smaller pools")
             if name == "invariance":
                 benchmark_parser.add_argument("--repeats", type=int, default=3, help="runs per setting")
-            if name == "service":
-                benchmark_parser.add_argument(
-                    "--shared-cores",
-                    action="store_true",
-                    help="start the workers with --shares-cores, as the one-host launcher does "
-                    "(default: as if alone on their cores; requests go one at a time)",
-                )
         benchmark_parser.set_defaults(handler=_runner(name))
+
+
+def add_service_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench service`'s flags beyond --json (bench/service.py uses this too)."""
+    parser.add_argument("--quick", action="store_true", help="64-token prompts only, 2 repeats")
+    parser.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="start the workers with --shares-cores, as the one-host launcher does (default: the "
+        "layout of a worker alone on its cores; requests go one at a time)",
+    )
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
