@@ -99,8 +99,8 @@ def run(arguments: argparse.Namespace) -> int:
             _say(f"repeat {repeat + 1}/{repeats}, batch_invariant={setting}: done")
     cases = {
         name: {
-            "padded": round(min(by_setting[False]), 2),
-            "invariant": round(min(by_setting[True]), 2),
+            "padded": round(min(by_setting[False]), 3),
+            "invariant": round(min(by_setting[True]), 3),
             "ratio": round(min(by_setting[True]) / min(by_setting[False]), 3),
         }
         for name, by_setting in results.items()

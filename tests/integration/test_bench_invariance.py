@@ -23,6 +23,11 @@ def test_quick_run_reports_both_settings(tmp_path: Path) -> None:
     assert report["model"] == "llama-small"
     assert set(report["cases"]) == {"prefill_128_ms", "decode_step_1x_beam1_ms", "decode_step_2x_beam4_ms"}
     for name, case in report["cases"].items():
-        assert case["padded"] > 0 and case["invariant"] > 0, name
-        assert abs(case["ratio"] - case["invariant"] / case["padded"]) < 0.01, name
+        padded, invariant = case["padded"], case["invariant"]
+        assert padded > 0 and invariant > 0, name
+        # The times are rounded to 0.001 ms and the ratio to 0.001 from the unrounded times, so
+        # the ratio of the printed times may differ from the printed ratio by that much at most.
+        half = 0.0005
+        slack = half + (half + half * invariant / padded) / (padded - half)
+        assert abs(case["ratio"] - invariant / padded) <= slack, (name, case)
     assert Path(report["plot"]).stat().st_size > 0
