@@ -11,7 +11,8 @@ So every matmul here has a shape that depends on nothing but the token's role an
 or is one that was measured not to care. `invariant_linear`: where `rows_are_independent` and
 `columns_are_independent` measured it safe (once per shape, dtype and thread count, in the
 running process), prompt rows go through one matmul padded to a multiple of MATMUL_ROW_MULTIPLE
-rows and every decode row through `weight @ group.T`, COLUMN_GROUP rows as columns per call.
+rows and every decode row through `weight @ rows.T`, in whole groups of COLUMN_GROUP columns, two
+groups to a call where there are two.
 Where only the rows are, prompt rows and beam requests' rows share the padded matmul and a
 single-row decode request's row gets a matrix-vector product of its own. Otherwise rows
 run as a batched matmul of fixed-shape [rows, in] x [in, out] items: prompt tokens (and a
@@ -20,7 +21,7 @@ request's W beams one item of W rows. Either way the grouping of the forward pas
 `RowLayout` that ModelRunner sets (`row_layout`); without one, all rows are one padded matmul (or
 ROW_CHUNK-row items). The attention's side is engine/invariant_attention.py.
 
-The cost is padding (up to 3 zero rows or columns per call); `bench invariance` measures it with the
+The cost is padding (up to 3 zero rows or columns per matmul); `bench invariance` measures it with the
 attention's. See docs/engine.md, "Batch invariance".
 """
 
@@ -38,7 +39,8 @@ from torch import nn
 MATMUL_ROW_MULTIPLE = 4  # one plain matmul: rows padded to a multiple of 4 (see rows_are_independent)
 ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is set
 PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
-COLUMN_GROUP = 4  # decode rows per `weight @ rows.T` (see columns_are_independent)
+COLUMN_GROUP = 4  # decode rows per `weight @ rows.T` kernel group (see columns_are_independent)
+COLUMNS_PER_CALL = 2 * COLUMN_GROUP  # up to two groups per call (faster than two calls; same bits)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ def columns_are_independent(
 
     Measured on this build (MKL 2024.2, 1 and 2 threads, float32 and float64, every shape here):
     yes for 4 columns, and for 8 (two such groups); 1 to 3 columns, the remainder past a group
-    and 12 or more columns take other kernels. 4 columns is MKL's skinny kernel, which streams
+    and 12 or more columns take other kernels, so the check also compares a call of two groups
+    with calls of one. 4 columns is MKL's skinny kernel, which streams
     the weight once: the whole 156M model's linear layers took 23 ms for 4 rows this way against
     29 ms for one row as a matrix-vector product and 57 ms for 4 rows as a 4-row matmul. Checked
     here once per shape, dtype and thread count in the process that runs."""
@@ -211,7 +214,12 @@ def columns_are_independent(
             place = row - first
             if not torch.equal((weight @ rows[first : first + COLUMN_GROUP].t())[:, place], reference[:, 0]):
                 return False
-    return True
+    # A call of COLUMNS_PER_CALL columns must give what its groups give in calls of their own.
+    calls = rows[:COLUMNS_PER_CALL].t()
+    groups = [
+        weight @ calls[:, first : first + COLUMN_GROUP] for first in range(0, COLUMNS_PER_CALL, COLUMN_GROUP)
+    ]
+    return torch.equal(weight @ calls, torch.cat(groups, dim=1))
 
 
 def _pad_rows(rows: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -225,10 +233,12 @@ def _pad_rows(rows: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _column_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [n, in] -> [n, out] as `weight @ group.T`, COLUMN_GROUP rows (zero-padded) per call."""
+    """rows [n, in] -> [n, out] as `weight @ rows.T`, zero-padded to whole groups of COLUMN_GROUP,
+    COLUMNS_PER_CALL columns per call (the last call may hold one group)."""
     padded = _pad_rows(rows, COLUMN_GROUP)
     columns = [
-        weight @ padded[first : first + COLUMN_GROUP].t() for first in range(0, padded.shape[0], COLUMN_GROUP)
+        weight @ padded[first : first + COLUMNS_PER_CALL].t()
+        for first in range(0, padded.shape[0], COLUMNS_PER_CALL)
     ]
     return torch.cat(columns, dim=1).t()[: rows.shape[0]]
 
@@ -242,8 +252,8 @@ def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """hidden [M, in] -> [M, out], each row's bits independent of the other rows.
 
     Where both checks pass: prompt rows in one matmul padded to a multiple of 4 rows, decode rows
-    4 to a `weight @ rows.T` call (one weight read per 4 decode rows; faster than a gemv for one
-    row here, and a 4-row matmul costs about 2.5x a gemv). Where only `rows_are_independent`
+    8 (or a last 4) to a `weight @ rows.T` call (4 columns are faster than a gemv for one row
+    here, and a 4-row matmul costs about 2.5x a gemv). Where only `rows_are_independent`
     does: prompt and beam rows in the padded matmul, each single-row decode request's row as a
     matrix-vector product. Otherwise each row inside a fixed-shape item (see RowLayout)."""
     num_rows, in_features = hidden.shape
