@@ -8,21 +8,31 @@ next to any rows; a fixed-shape matmul does too, and a batched matmul of fixed-s
 every item the same bits whatever the item count.
 
 So every matmul here has a shape that depends on nothing but the token's role and its own request,
-or is one that was measured not to care. `invariant_linear`: where `rows_are_independent` and
-`columns_are_independent` measured it safe (once per shape, dtype and thread count, in the
-running process), prompt rows go through one matmul padded to a multiple of MATMUL_ROW_MULTIPLE
-rows and every decode row through `weight @ rows.T`, in whole groups of COLUMN_GROUP columns, two
-groups to a call where there are two.
-Where only the rows are, prompt rows and beam requests' rows share the padded matmul and a
-single-row decode request's row gets a matrix-vector product of its own. Otherwise rows
-run as a batched matmul of fixed-shape [rows, in] x [in, out] items: prompt tokens (and a
-prompt's last row at the LM head) PROMPT_ROW_CHUNK to an item, in any grouping; a decoding
-request's W beams one item of W rows. Either way the grouping of the forward pass in flight is a
-`RowLayout` that ModelRunner sets (`row_layout`); without one, all rows are one padded matmul (or
-ROW_CHUNK-row items). The attention's side is engine/invariant_attention.py.
+or is one that was measured not to care. `invariant_linear` takes the first of these paths that
+was measured safe in the running process (once per shape, dtype and thread count):
+- oneDNN (`onednn_rows_are_independent`): all rows in one inner-product call, zero-padded
+  to at least ONEDNN_MIN_ROWS. oneDNN's kernels keep K in one order whatever the row count, so every
+  row has the same bits for any M >= 2 at any position, with any thread count and with the weight
+  packed or not (measured, float32 and bfloat16; M = 1 takes a matrix-vector kernel). On this
+  host (AMD EPYC, AVX-512) it is also the fastest: the 156M model's linear layers took 15-21 ms
+  for 4 rows (fewer are padded to 4) against 31 ms for one row as MKL's matrix-vector product and
+  40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. RowChunkedLinear packs its weight for it once (a second copy of
+  the weight: oneDNN's blocked layout).
+- MKL (`rows_are_independent` and `columns_are_independent`): prompt rows through one matmul
+  padded to a multiple of MATMUL_ROW_MULTIPLE rows and every decode row through
+  `weight @ rows.T`, in whole groups of COLUMN_GROUP columns, two groups to a call where there
+  are two. Where only the rows are, prompt rows and beam requests' rows share the padded matmul
+  and a single-row decode request's row gets a matrix-vector product of its own. float64 takes
+  these (oneDNN has no float64 inner product).
+- Otherwise rows run as a batched matmul of fixed-shape [rows, in] x [in, out] items: prompt
+  tokens (and a prompt's last row at the LM head) PROMPT_ROW_CHUNK to an item, in any grouping; a
+  decoding request's W beams one item of W rows.
+The last two group rows by a `RowLayout` that ModelRunner sets (`row_layout`) for the forward
+pass in flight; without one, all rows are one padded matmul (or ROW_CHUNK-row items). The
+attention's side is engine/invariant_attention.py.
 
-The cost is padding (up to 3 zero rows or columns per matmul); `bench invariance` measures it with the
-attention's. See docs/engine.md, "Batch invariance".
+The cost is padding (up to 3 zero rows or columns per matmul or oneDNN call); `bench invariance`
+measures it with the attention's. See docs/engine.md, "Batch invariance".
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is 
 PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
 COLUMN_GROUP = 4  # decode rows per `weight @ rows.T` kernel group (see columns_are_independent)
 COLUMNS_PER_CALL = 2 * COLUMN_GROUP  # up to two groups per call (faster than two calls; same bits)
+ONEDNN_MIN_ROWS = 4  # fewer rows are zero-padded: one row takes a matrix-vector kernel (other bits),
+# and 2 rows took 24-28 ms where 4 took 15-21 (the 156M model's linear layers)
+ONEDNN_PACK_ROWS = 16  # the row count oneDNN's weight layout is chosen for (any gives the same bits)
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,63 @@ def columns_are_independent(
     return torch.equal(weight @ calls, torch.cat(groups, dim=1))
 
 
+def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] (M >= ONEDNN_MIN_ROWS) -> [M, out] by oneDNN's inner product; `weight` is
+    [out, in], dense or packed by pack_onednn_weight."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, None, "none", [], "")
+
+
+def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout, which spares each call a reorder."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_PACK_ROWS)
+
+
+@functools.cache
+def onednn_rows_are_independent(
+    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
+) -> bool:
+    """Does oneDNN's inner product over M >= 2 rows give every row the same bits for every M,
+    wherever the row sits, with the weight packed (pack_onednn_weight) or dense?
+
+    Measured on this build (oneDNN 3.12, AVX-512): yes for float32 and bfloat16 at every M from 2
+    to 4096, 1 to 3 threads, every shape of the models here (LM heads included); the bits do not
+    change with the thread count. M = 1 differs with the dense weight (a matrix-vector kernel; with
+    the packed one it does not), hence the padding;
+    float64 and float16 have no inner product there. Checked here once per shape, dtype and
+    thread count in the process that runs; GPUs take the other paths."""
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    rows = torch.randn(300, in_features, generator=generator).to(dtype)
+    try:
+        packed = pack_onednn_weight(weight)
+        reference = _onednn_linear(rows, packed)
+        if not torch.equal(_onednn_linear(rows, weight), reference):
+            return False
+    except RuntimeError:  # no oneDNN inner product for this dtype or shape
+        return False
+    for count, offset in (
+        (2, 0),
+        (2, 7),
+        (3, 5),
+        (4, 9),
+        (5, 1),
+        (8, 3),
+        (13, 40),
+        (16, 1),
+        (33, 250),
+        (64, 100),
+        (100, 5),
+        (256, 44),
+    ):
+        if not torch.equal(
+            _onednn_linear(rows[offset : offset + count], packed), reference[offset : offset + count]
+        ):
+            return False
+    return True
+
+
 def _pad_rows(rows: torch.Tensor, multiple: int) -> torch.Tensor:
     """rows [n, in], contiguous, with zero rows appended up to a multiple of `multiple`."""
     num_rows, in_features = rows.shape
@@ -248,10 +318,14 @@ def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (_pad_rows(rows, MATMUL_ROW_MULTIPLE) @ weight.t())[: rows.shape[0]]
 
 
-def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def invariant_linear(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """hidden [M, in] -> [M, out], each row's bits independent of the other rows.
 
-    Where both checks pass: prompt rows in one matmul padded to a multiple of 4 rows, decode rows
+    Where `onednn_rows_are_independent`: every row in one oneDNN call (`packed`, the weight in
+    oneDNN's layout, or `weight` itself; zero rows pad it to ONEDNN_MIN_ROWS). Else, where both MKL
+    checks pass: prompt rows in one matmul padded to a multiple of 4 rows, decode rows
     8 (or a last 4) to a `weight @ rows.T` call (4 columns are faster than a gemv for one row
     here, and a 4-row matmul costs about 2.5x a gemv). Where only `rows_are_independent`
     does: prompt and beam rows in the padded matmul, each single-row decode request's row as a
@@ -260,6 +334,12 @@ def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     layout = _ROW_LAYOUT.get()
     groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)
     shape = (in_features, weight.shape[0], weight.dtype, hidden.device.type, torch.get_num_threads())
+    if onednn_rows_are_independent(*shape):
+        output = _onednn_linear(
+            _pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden,
+            weight if packed is None else packed,
+        )[:num_rows]
+        return output if bias is None else output + bias
     if rows_are_independent(*shape) and groups.decode_rows is not None and columns_are_independent(*shape):
         output = hidden.new_empty((num_rows, weight.shape[0]))
         if groups.prompt_rows is not None:
@@ -291,12 +371,27 @@ def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 class RowChunkedLinear(nn.Linear):
-    """nn.Linear whose rows do not depend on the other rows of the batch (same parameters)."""
+    """nn.Linear whose rows do not depend on the other rows of the batch (same parameters).
+
+    Where the oneDNN path runs, it keeps the weight packed for it too, packed again whenever the
+    weight changes (a load, `.to()`)."""
+
+    _packed: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2:
             raise ValueError(f"RowChunkedLinear takes [rows, features], got shape {tuple(hidden.shape)}")
-        return invariant_linear(hidden, self.weight, self.bias)
+        return invariant_linear(hidden, self.weight, self.bias, self._packed_weight(hidden))
+
+    def _packed_weight(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        weight = self.weight
+        shape = (weight.shape[1], weight.shape[0], weight.dtype, hidden.device.type, torch.get_num_threads())
+        if not onednn_rows_are_independent(*shape):
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, pack_onednn_weight(weight))
+        return self._packed[1]
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
