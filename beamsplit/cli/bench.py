@@ -98,9 +98,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a tiny run: 6 requests, prompts of 32-256 tokens, 8 new tokens"
     )
     parser.add_argument("--num-requests", type=int, help="requests in the workload (default: 20; --quick: 6)")
-    parser.add_argument(
-        "--rate", type=float, help="Poisson arrivals per second (default: 0.25; --quick: 2.0)"
-    )
+    parser.add_argument("--rate", type=float, help="Poisson arrivals per second (default: 0.5; --quick: 2.0)")
     parser.add_argument(
         "--min-prompt-len", type=int, help="shortest prompt, tokens (default: 128; --quick: 32)"
     )
