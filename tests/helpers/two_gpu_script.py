@@ -207,9 +207,24 @@ def check_parity_and_clean_stop(deployment: Deployment) -> None:
     assert blocks == {"context": 0, "generation": 0, "aggregated": 0}
 
     deployment.script.send_signal(signal.SIGINT)  # what Ctrl-C sends the script
-    assert deployment.script.wait(timeout=90) == 0, "\n".join(deployment.output())
+    try:
+        code = deployment.script.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"the script did not stop within 90 s of SIGINT\n{_state(deployment, pids)}"
+        ) from None
+    assert code == 0, "\n".join(deployment.output())
     output = deployment.output()
     for name in ("context", "generation", "aggregated"):
         assert f"{name}: exit 0, blocks in use at exit: 0" in output
     assert "coordinator: exit 0" in output
     assert not [name for name, pid in pids.items() if is_alive(pid)]
+
+
+def _state(deployment: Deployment, pids: dict[str, int]) -> str:
+    """What a stop that hangs leaves to read: the script's output, who still runs, the log tails."""
+    lines = ["script output:", *deployment.output()]
+    lines.append(f"still running: {[name for name, pid in pids.items() if is_alive(pid)]}")
+    for log in sorted(deployment.log_dir.glob("*.log")):
+        lines += [f"--- {log.name} (last 15 lines)", *log.read_text(errors="replace").splitlines()[-15:]]
+    return "\n".join(lines)
