@@ -50,7 +50,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         default=True,
         help="fixed-shape kernels so a request's tokens and scores do not depend on the rest of the "
         "batch, so disaggregated equals aggregated under any load; its attention is varlen (default: on; "
-        "--no-batch-invariant uses the padded kernels, faster for prefill alone: see beamsplit bench invariance)",
+        "--no-batch-invariant uses torch's plain kernels, slower on a CPU with oneDNN: see beamsplit bench "
+        "invariance)",
     )
     group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
