@@ -129,6 +129,9 @@ def running_script(tmp_path: Path, dtype: str = "float32", **extra_env: str) -> 
             env=env,
             stdout=output,
             stderr=subprocess.STDOUT,
+            # As from a terminal: a shell cannot trap a signal ignored on entry, and a test run
+            # started in the background by a non-interactive shell (`cmd &`) ignores SIGINT.
+            preexec_fn=_default_sigint,
         )
     started = Deployment(
         script=script,
@@ -219,6 +222,10 @@ def check_parity_and_clean_stop(deployment: Deployment) -> None:
         assert f"{name}: exit 0, blocks in use at exit: 0" in output
     assert "coordinator: exit 0" in output
     assert not [name for name, pid in pids.items() if is_alive(pid)]
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _state(deployment: Deployment, pids: dict[str, int]) -> str:
