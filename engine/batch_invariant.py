@@ -16,8 +16,8 @@ was measured safe in the running process (once per shape, dtype and thread count
   packed or not (measured, float32 and bfloat16; M = 1 takes a matrix-vector kernel). On this
   host (AMD EPYC, AVX-512) it is also the fastest: the 156M model's linear layers took 15-21 ms
   for 4 rows (fewer are padded to 4) against 31 ms for one row as MKL's matrix-vector product and
-  40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. RowChunkedLinear packs its weight for it once (a second copy of
-  the weight: oneDNN's blocked layout).
+  40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. RowChunkedLinear
+  packs its weight for it once (a second copy of the weight: oneDNN's blocked layout).
 - MKL (`rows_are_independent` and `columns_are_independent`): prompt rows through one matmul
   padded to a multiple of MATMUL_ROW_MULTIPLE rows and every decode row through
   `weight @ rows.T`, in whole groups of COLUMN_GROUP columns, two groups to a call where there
@@ -318,6 +318,11 @@ def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (_pad_rows(rows, MATMUL_ROW_MULTIPLE) @ weight.t())[: rows.shape[0]]
 
 
+def _kernel_shape(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, torch.dtype, str, int]:
+    """What the kernel checks are keyed by: in and out features, dtype, device type, threads."""
+    return (weight.shape[1], weight.shape[0], weight.dtype, hidden.device.type, torch.get_num_threads())
+
+
 def invariant_linear(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -331,15 +336,15 @@ def invariant_linear(
     does: prompt and beam rows in the padded matmul, each single-row decode request's row as a
     matrix-vector product. Otherwise each row inside a fixed-shape item (see RowLayout)."""
     num_rows, in_features = hidden.shape
-    layout = _ROW_LAYOUT.get()
-    groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)
-    shape = (in_features, weight.shape[0], weight.dtype, hidden.device.type, torch.get_num_threads())
+    shape = _kernel_shape(hidden, weight)
     if onednn_rows_are_independent(*shape):
         output = _onednn_linear(
             _pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden,
             weight if packed is None else packed,
         )[:num_rows]
         return output if bias is None else output + bias
+    layout = _ROW_LAYOUT.get()
+    groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)
     if rows_are_independent(*shape) and groups.decode_rows is not None and columns_are_independent(*shape):
         output = hidden.new_empty((num_rows, weight.shape[0]))
         if groups.prompt_rows is not None:
@@ -385,8 +390,7 @@ class RowChunkedLinear(nn.Linear):
 
     def _packed_weight(self, hidden: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight
-        shape = (weight.shape[1], weight.shape[0], weight.dtype, hidden.device.type, torch.get_num_threads())
-        if not onednn_rows_are_independent(*shape):
+        if not onednn_rows_are_independent(*_kernel_shape(hidden, weight)):
             return None
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
         if self._packed is None or self._packed[0] != key:
