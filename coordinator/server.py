@@ -23,7 +23,7 @@ from beamsplit.server.tls import tls_from_args
 from beamsplit.v1 import common_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from coordinator.service import CoordinatorService, CoordinatorSettings
 from coordinator.worker_pool import WorkerPool
-from engine.loader import load_model_tokenizer
+from engine.models.loader import load_model_tokenizer
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "beamsplit.v1.Coordinator"

@@ -22,8 +22,8 @@ from engine.types import PrefillResult
 if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig
     from engine.kv_cache import BlockTable, KVCacheManager
-    from engine.model_config import ModelConfig
     from engine.model_runner import ModelRunner, SequenceInput
+    from engine.models.config import ModelConfig
     from engine.scheduler import Scheduler
     from engine.state_pool import StatePool
 

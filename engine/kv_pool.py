@@ -18,7 +18,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache import CopyOp
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.types import KVRegion
 
 KEY = 0

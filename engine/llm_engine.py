@@ -31,8 +31,8 @@ from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
-from engine.loader import load_model
 from engine.model_runner import ModelRunner, SequenceInput
+from engine.models.loader import load_model
 from engine.request import Request, RequestState, Reservation, make_decoder
 from engine.request_checks import check_fits_pool, check_params, check_prompt
 from engine.sampling import candidates_from_logprobs

@@ -21,9 +21,9 @@ import torch
 from engine.attention import AttentionMetadata, prepare_attention
 from engine.batch_invariant import make_row_layout, row_layout
 from engine.kv_pool import KVPool
-from engine.lfm2_model import Lfm2Model
-from engine.loader import Model
-from engine.short_conv import RecurrentMetadata, prepare_recurrent
+from engine.models.lfm2 import Lfm2Model
+from engine.models.loader import Model
+from engine.models.short_conv import RecurrentMetadata, prepare_recurrent
 from engine.state_pool import StatePool
 
 

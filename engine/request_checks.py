@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.block_allocator import PoolTooSmallError
 from engine.config import EngineConfig, SamplingParams, check_engine_params
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 
 
 def check_prompt(model_config: ModelConfig, prompt_ids: list[int], max_new_tokens: int) -> None:

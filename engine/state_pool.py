@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from engine.block_allocator import OutOfBlocksError
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 
 
 class OutOfStateSlotsError(OutOfBlocksError):

@@ -102,8 +102,8 @@ def _say(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from beamsplit.launch.local_cluster import start_local_cluster
-    from engine.loader import load_model_tokenizer
-    from engine.model_source import resolve_model_source
+    from engine.models.loader import load_model_tokenizer
+    from engine.models.source import resolve_model_source
 
     try:
         resolve_model_source(args.model)  # a missing model is named before any server starts

@@ -27,7 +27,7 @@ from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import ProcessGroup, ServerProcess
 from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS, LocalCluster, start_local_cluster
 from beamsplit.v1 import common_pb2
-from engine.loader import load_model_tokenizer
+from engine.models.loader import load_model_tokenizer
 
 MODEL = "tiny"
 CONTEXT_BLOCKS = 4  # a context worker holds prompts of up to 128 tokens

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from engine.attention import prepare_attention
 from engine.config import CacheConfig
-from engine.gguf_checkpoint import GGUFError
 from engine.kv_pool import KVPool
-from engine.loader import load_model, load_model_tokenizer
-from engine.model_source import ModelFormat, resolve_model_source
+from engine.models.gguf_checkpoint import GGUFError
+from engine.models.loader import load_model, load_model_tokenizer
+from engine.models.source import ModelFormat, resolve_model_source
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 NUM_HEADS, NUM_KV_HEADS, VOCAB = 4, 2, 96

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import CacheConfig, SamplingParams
 from engine.kv_cache import KVCacheManager
-from engine.loader import tiny_hybrid_model_config
+from engine.models.loader import tiny_hybrid_model_config
 from engine.request import Request, make_decoder
 from engine.scheduler import Scheduler
 from engine.state_pool import OutOfStateSlotsError, StatePool

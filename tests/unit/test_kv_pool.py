@@ -7,7 +7,7 @@ import torch
 from engine.config import CacheConfig
 from engine.kv_cache import CopyOp
 from engine.kv_pool import KEY, VALUE, KVPool
-from engine.loader import tiny_model_config
+from engine.models.loader import tiny_model_config
 
 
 def make_pool(dtype: torch.dtype = torch.float32) -> KVPool:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from engine.model_config import Llama3RopeScaling, ModelConfig
+from engine.models.config import Llama3RopeScaling, ModelConfig
 
 
 def llama_config(**overrides: Any) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import torch
 from engine.attention import prepare_attention
 from engine.config import CacheConfig
 from engine.kv_pool import KVPool
-from engine.loader import load_model
-from engine.model import LlamaModel
+from engine.models.decoder import LlamaModel
+from engine.models.loader import load_model
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 TOLERANCE = 1e-9

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from engine.loader import load_model_tokenizer
-from engine.model_source import resolve_model_source
+from engine.models.loader import load_model_tokenizer
+from engine.models.source import resolve_model_source
 from engine.tokenizer import Tokenizer
 from tests.helpers.hf_reference import ReferenceBeam, reference_beams
 

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model
-from engine.model import LlamaModel
+from engine.models.decoder import LlamaModel
+from engine.models.loader import load_model
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TINY_DIGEST_SCRIPT = """
 import hashlib, torch
-from engine.loader import load_model
+from engine.models.loader import load_model
 model, _, _ = load_model("tiny", "float32", "cpu")
 digest = hashlib.sha256()
 for name, tensor in sorted(model.state_dict().items()):

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import KVPool
-from engine.model_config import Llama3RopeScaling, ModelConfig
+from engine.models.config import Llama3RopeScaling, ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -1,8 +1,8 @@
-"""Builds a LlamaModel or an Lfm2Model from what `--model` names (engine/model_source.py).
+"""Builds a LlamaModel or an Lfm2Model from what `--model` names (engine/models/source.py).
 
 A Hugging Face directory holds `config.json`, one or more `*.safetensors` (sharded through
 `model.safetensors.index.json` or not) and optionally `tokenizer.json`. A GGUF file carries config,
-weights, tokenizer and chat template in one (engine/gguf_checkpoint.py). `tiny` (Llama) and
+weights, tokenizer and chat template in one (engine/models/gguf_checkpoint.py). `tiny` (Llama) and
 `tiny-hybrid` (LFM2) need no files: their weights come from a fixed seed on the CPU generator, so
 every process builds the same bits.
 Loading logs its progress, its time and the process's resident memory through `logging`.
@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.gguf_checkpoint import GGUFCheckpoint
-from engine.lfm2_model import Lfm2Model
-from engine.model import LlamaModel
-from engine.model_config import ATTENTION_LAYER, CONV_LAYER, ModelConfig
-from engine.model_source import ModelFormat, resolve_model_source
+from engine.models.config import ATTENTION_LAYER, CONV_LAYER, ModelConfig
+from engine.models.decoder import LlamaModel
+from engine.models.gguf_checkpoint import GGUFCheckpoint
+from engine.models.lfm2 import Lfm2Model
+from engine.models.source import ModelFormat, resolve_model_source
 from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

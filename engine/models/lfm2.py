@@ -20,9 +20,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import KVPool
-from engine.model import RMSNorm, RotaryEmbedding, apply_rotary
-from engine.model_config import ATTENTION_LAYER, ModelConfig
-from engine.short_conv import RecurrentMetadata, short_conv
+from engine.models.config import ATTENTION_LAYER, ModelConfig
+from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.short_conv import RecurrentMetadata, short_conv
 from engine.state_pool import StatePool
 
 

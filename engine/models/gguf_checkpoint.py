@@ -30,7 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
 
 from engine.chat_template import ChatTemplate
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
