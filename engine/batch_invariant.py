@@ -318,6 +318,52 @@ def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (_pad_rows(rows, MATMUL_ROW_MULTIPLE) @ weight.t())[: rows.shape[0]]
 
 
+@functools.cache
+def items_are_independent(
+    rows_per_item: int,
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype,
+    device_type: str,
+    num_threads: int,
+) -> bool:
+    """Does a batched matmul of fixed-shape [rows_per_item, in] x [in, out] items give every item the
+    same bits whatever the item count?
+
+    Measured: yes on AMD hosts for float32 and float64; on an Intel host with AVX-512 (MKL's
+    AVX-512 kernels) float64 items differ between a call of 1 item and a call of 2 or more, while a
+    separate matmul per item keeps them. Checked here once per shape, so such a host takes one call
+    per item (`_item_matmul`). GPUs: no (cuBLAS picks its kernel by batch size)."""
+    if device_type != "cpu":
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    items = torch.randn(24, rows_per_item, in_features, generator=generator).to(dtype)
+    reference = torch.stack([item @ weight.t() for item in items])  # [24, rows, out]
+    for first, count in ((0, 1), (0, 2), (3, 3), (1, 8), (0, 24)):
+        batch = torch.bmm(items[first : first + count], weight.t().expand(count, -1, -1))
+        if not torch.equal(batch, reference[first : first + count]):
+            return False
+    return True
+
+
+def _item_matmul(items: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """items [n, rows, in] -> [n, rows, out]: one batched matmul where items_are_independent,
+    else one matmul per item (every item then takes the same [rows, in] x [in, out] kernel)."""
+    num_items, rows_per_item, in_features = items.shape
+    shape = (
+        rows_per_item,
+        in_features,
+        weight.shape[0],
+        weight.dtype,
+        items.device.type,
+        torch.get_num_threads(),
+    )
+    if items_are_independent(*shape):
+        return torch.bmm(items, weight.t().expand(num_items, -1, -1))
+    return torch.stack([item @ weight.t() for item in items])
+
+
 def _kernel_shape(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, torch.dtype, str, int]:
     """What the kernel checks are keyed by: in and out features, dtype, device type, threads."""
     return (weight.shape[1], weight.shape[0], weight.dtype, hidden.device.type, torch.get_num_threads())
@@ -360,17 +406,14 @@ def invariant_linear(
                 output[groups.matmul_rows] = _padded_matmul(hidden[groups.matmul_rows], weight)
             if groups.single_rows is not None:
                 singles = hidden[groups.single_rows].unsqueeze(1)  # [n, 1, in]: one gemv each
-                output[groups.single_rows] = torch.bmm(
-                    singles, weight.t().expand(singles.shape[0], -1, -1)
-                ).squeeze(1)
+                output[groups.single_rows] = _item_matmul(singles, weight).squeeze(1)
         return output if bias is None else output + bias
     padded = torch.cat((hidden, hidden.new_zeros((1, in_features))))  # row M: padding
     output = hidden.new_empty((num_rows + 1, weight.shape[0]))
     for rows_per_item, indices in groups.items:
         num_items = indices.numel() // rows_per_item
         items = padded[indices].view(num_items, rows_per_item, in_features)
-        result = torch.bmm(items, weight.t().expand(num_items, -1, -1))  # [items, rows, out]
-        output[indices] = result.view(num_items * rows_per_item, -1)
+        output[indices] = _item_matmul(items, weight).view(num_items * rows_per_item, -1)
     output = output[:num_rows]
     return output if bias is None else output + bias
 
