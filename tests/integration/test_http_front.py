@@ -200,7 +200,7 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("negative temperature", {"temperature": -1.0}, "temperature"),
     ("top_p 0", {"top_p": 0.0}, "top_p"),
-    ("stop with beams", {"n": 2, "stop": ["x"], "extra_body": {"use_beam_search": True}}, "stop"),
+    ("stop string too long", {"stop": ["x" * 129]}, "stop"),
     ("two stop token ids", {"extra_body": {"stop_token_ids": [1, 2]}}, "stop_token_ids"),
     ("stop token id outside vocab", {"extra_body": {"stop_token_ids": [999]}}, "stop_token_ids"),
     ("per-token logprobs", {"logprobs": 2}, "logprobs"),
