@@ -25,6 +25,7 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.models.source import resolve_model_source
+from engine.stop_strings import StopStringMatcher
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -193,3 +194,26 @@ def test_stop_strings_end_beams_as_transformers_does(models: Models, case: Case)
     # long beam that would have run through a stop string was cut and lost to the others).
     assert num_stopped >= 1 or expected != unstopped, f"{stops} changed nothing"
     print(f"{case.name} stop={stops!r}: {case.beam_width} beams equal, {num_stopped} ended on a stop string")
+
+
+def test_tail_matcher_equals_a_whole_text_search_on_the_real_tokenizer(models: Models) -> None:
+    """engine/stop_strings.py decodes a tail; on byte-level BPE (tokens that are parts of UTF-8
+    characters, leading spaces, special tokens) it must fire where a whole-text search first does."""
+    tokenizer = models.engine.tokenizer
+    generator = torch.Generator().manual_seed(11)
+    num_found = 0
+    for trial in range(60):
+        token_ids = torch.randint(0, len(models.tokenizer), (24,), generator=generator).tolist()
+        text = tokenizer.decode(token_ids)
+        start = int(torch.randint(0, max(1, len(text) - 3), (1,), generator=generator))
+        stop = text[start : start + 3] if trial % 3 else "\ufffd"  # a stop inside a split character too
+        if not stop:
+            continue
+        matcher = StopStringMatcher(tokenizer, [stop])
+        found = next((end for end in range(len(token_ids)) if matcher.is_stopped(token_ids[: end + 1])), None)
+        expected = next(
+            (end for end in range(len(token_ids)) if stop in tokenizer.decode(token_ids[: end + 1])), None
+        )
+        assert found == expected, f"trial {trial}: {stop!r} in {text!r}"
+        num_found += found is not None
+    assert num_found >= 30
