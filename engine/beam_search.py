@@ -11,10 +11,11 @@ Semantics copied from transformers 5.24 `GenerationMixin._beam_search` (batch of
   -1e9 masks, the length normalisation and every top-k run on the same shapes and dtypes, so ties
   and roundings come out the same.
 - Each step keeps the top 2W continuations of running-score + log-prob over all (beam, token).
-  Of those, candidates that end (eos, or max_new_tokens reached) and rank in the top W become
+  Of those, candidates that end (eos, a completed stop string, or max_new_tokens reached: what
+  transformers' stopping criteria say of each candidate) and rank in the top W become
   finished hypotheses scored `sum_logprob / num_generated ** length_penalty`, where
-  `num_generated` counts the generated tokens including the eos. The best W non-ending
-  candidates run on.
+  `num_generated` counts the generated tokens including the eos (or the token completing a stop
+  string). The best W non-ending candidates run on.
 - Finished hypotheses keep the best W (`sequences_scores` is that score).
 - Stop when: all candidates ended (max length); or early_stopping is True and W hypotheses are
   finished; or the heuristic finds no running beam able to beat the worst finished one, using
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.stop_strings import StopStringMatcher
 from engine.types import Beam
 
 MASK = -1.0e9  # what transformers adds to rule a candidate out
@@ -68,8 +70,10 @@ class BeamStep:
 class BeamSearch:
     """The beam state of one request. Not thread-safe; one step at a time."""
 
-    def __init__(self, params: BeamSearchParams) -> None:
+    def __init__(self, params: BeamSearchParams, stop_matcher: StopStringMatcher | None = None) -> None:
+        """stop_matcher: the request's stop strings, checked on every candidate (None: none)."""
         self.params = params
+        self.stop_matcher = stop_matcher
         width, max_new = params.beam_width, params.max_new_tokens
         self.num_steps = 0
         self.is_done = False
@@ -122,7 +126,7 @@ class BeamSearch:
             1, parents[:, :, None].expand(-1, -1, params.max_new_tokens)
         ).clone()  # [1, K, M]
         candidate_tokens[:, :, step_index] = tokens
-        hits_stop = self._hits_stop(tokens, num_generated)  # [1, K]
+        hits_stop = self._hits_stop(tokens, candidate_tokens, num_generated)  # [1, K]
 
         # Running beams for the next step: the best W candidates that did not end.
         running_logprobs = top_logprobs + hits_stop.to(torch.float32) * MASK
@@ -140,12 +144,21 @@ class BeamSearch:
         self.is_done = not self._has_unfinished(hits_stop)
         return BeamStep(parent_indices[0].tolist(), token_ids[0].tolist(), self.is_done)
 
-    def _hits_stop(self, tokens: torch.Tensor, num_generated: int) -> torch.Tensor:
+    def _hits_stop(
+        self, tokens: torch.Tensor, candidate_tokens: torch.Tensor, num_generated: int
+    ) -> torch.Tensor:
+        """tokens: [1, K]; candidate_tokens: [1, K, M], each candidate's first num_generated filled."""
         if num_generated >= self.params.max_new_tokens:
             return torch.ones_like(tokens, dtype=torch.bool)
         if self.params.eos_token_id is None:
-            return torch.zeros_like(tokens, dtype=torch.bool)
-        return tokens == self.params.eos_token_id
+            hits = torch.zeros_like(tokens, dtype=torch.bool)
+        else:
+            hits = tokens == self.params.eos_token_id
+        if self.stop_matcher is not None:
+            sequences = candidate_tokens[0, :, :num_generated].tolist()  # K lists
+            completes = [self.stop_matcher.is_stopped(sequence) for sequence in sequences]
+            hits = hits | torch.tensor([completes], dtype=torch.bool)
+        return hits
 
     def _update_finished(
         self,
@@ -199,10 +212,9 @@ class BeamSearch:
             num_tokens = int(self.finished_lens[0, slot])
             token_ids = self.finished_tokens[0, slot, :num_tokens].tolist()
             score = float(self.finished_scores[0, slot])
-            stopped = (
-                self.params.eos_token_id is not None
-                and num_tokens > 0
-                and token_ids[-1] == self.params.eos_token_id
+            stopped = num_tokens > 0 and (
+                (self.params.eos_token_id is not None and token_ids[-1] == self.params.eos_token_id)
+                or (self.stop_matcher is not None and self.stop_matcher.is_stopped(token_ids))
             )
             beams.append(
                 Beam(

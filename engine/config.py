@@ -92,9 +92,14 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # A sequence ends at the token whose text completes one of these (engine/stop_strings.py);
+    # with beam search a candidate that completes one ends as one ending on eos does.
+    stop_strings: tuple[str, ...] = ()
 
     MAX_BEAM_WIDTH = 64
     MAX_ABS_LENGTH_PENALTY = 16.0
+    MAX_STOP_STRINGS = 4
+    MAX_STOP_STRING_CHARS = 128  # each step decodes a tail this long per running sequence
 
     def __post_init__(self) -> None:
         if not 1 <= self.beam_width <= self.MAX_BEAM_WIDTH:
@@ -119,6 +124,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.stop_strings, tuple):
+            raise ValueError(
+                f"stop_strings must be a tuple of strings, got {type(self.stop_strings).__name__}"
+            )
+        if len(self.stop_strings) > self.MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop_strings takes at most {self.MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}"
+            )
+        for index, string in enumerate(self.stop_strings):
+            if not isinstance(string, str) or not 1 <= len(string) <= self.MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop_strings[{index}] must be a string of 1 to {self.MAX_STOP_STRING_CHARS} "
+                    f"characters, got {string!r}"
+                )
 
     @property
     def num_candidates(self) -> int:

@@ -38,6 +38,7 @@ from engine.request_checks import check_fits_pool, check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
+from engine.stop_strings import StopStringMatcher
 from engine.types import EngineCounters, KVRegion, PromptReservation, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -406,7 +407,8 @@ class LLMEngine(ContextSide):
             if params.seed is not None
             else self.config.seed * 1_000_003 + next(self._request_counter)
         )
-        decoder = make_decoder(params, eos_token_id, seed)
+        stop_matcher = StopStringMatcher(self.tokenizer, params.stop_strings) if params.stop_strings else None
+        decoder = make_decoder(params, eos_token_id, seed, stop_matcher)
         return Request(request_id, list(prompt_ids), params, decoder, salt)
 
     def _start_decoding(self, request: Request, logprobs: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from engine.beam_search import BeamSearch, BeamSearchParams, BeamStep
 from engine.config import SamplingParams
 from engine.kv_cache import BlockTable, num_distinct_blocks
 from engine.sampling import SingleSequence
+from engine.stop_strings import StopStringMatcher
 
 Decoder = BeamSearch | SingleSequence
 
@@ -36,7 +37,10 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-def make_decoder(params: SamplingParams, eos_token_id: int | None, seed: int) -> Decoder:
+def make_decoder(
+    params: SamplingParams, eos_token_id: int | None, seed: int, stop_matcher: StopStringMatcher | None = None
+) -> Decoder:
+    """stop_matcher: the request's stop strings (None: it has none)."""
     if params.beam_width > 1:
         return BeamSearch(
             BeamSearchParams(
@@ -45,9 +49,10 @@ def make_decoder(params: SamplingParams, eos_token_id: int | None, seed: int) ->
                 length_penalty=params.length_penalty,
                 early_stopping=params.early_stopping,
                 eos_token_id=eos_token_id,
-            )
+            ),
+            stop_matcher,
         )
-    return SingleSequence(params, eos_token_id, seed)
+    return SingleSequence(params, eos_token_id, seed, stop_matcher)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from engine.beam_search import BeamStep
 from engine.config import SamplingParams
+from engine.stop_strings import StopStringMatcher
 from engine.types import Beam
 
 
@@ -55,9 +56,16 @@ def sample_from_candidates(
 class SingleSequence:
     """Greedy or sampled decoding of one sequence, with the step interface of BeamSearch."""
 
-    def __init__(self, params: SamplingParams, eos_token_id: int | None, seed: int) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        eos_token_id: int | None,
+        seed: int,
+        stop_matcher: StopStringMatcher | None = None,
+    ) -> None:
         self.params = params
         self.eos_token_id = eos_token_id
+        self.stop_matcher = stop_matcher
         self.generator = torch.Generator().manual_seed(seed)
         self.token_ids: list[int] = []
         self.cumulative_logprob = 0.0
@@ -90,6 +98,8 @@ class SingleSequence:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if self.eos_token_id is not None and token_id == self.eos_token_id:
+            self.is_done, self.finish_reason = True, "stop"
+        elif self.stop_matcher is not None and self.stop_matcher.is_stopped(self.token_ids):
             self.is_done, self.finish_reason = True, "stop"
         elif len(self.token_ids) >= self.params.max_new_tokens:
             self.is_done = True

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Beam:
-    token_ids: list[int]  # generated tokens only, ending with eos when the beam stopped on it
+    # Generated tokens only, ending with eos (or the token completing a stop string) when it stopped.
+    token_ids: list[int]
     cumulative_logprob: float
     score: float  # what transformers reports as sequences_scores
     finish_reason: str  # "stop" | "length"

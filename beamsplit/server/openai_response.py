@@ -177,7 +177,8 @@ class ResponseWriter:
 
 
 def usage(final: common_pb2.FinalResult, choices: Sequence[Choice]) -> dict[str, int]:
-    """Tokens of the returned choices, as decoded (a stop string cuts the text, not the count)."""
+    """Tokens of the returned choices as the engine kept them: a stop string ended each sequence at
+    the token completing it, which is counted though the text is cut before the stop string."""
     completion_tokens = sum(len(choice.token_ids) for choice in choices)
     prompt_tokens = int(final.stats.prompt_tokens)
     return {

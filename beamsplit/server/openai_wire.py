@@ -13,7 +13,8 @@ Field mapping (docs/http.md has the table for users):
     length_penalty, early_stopping -> the same sampling fields
     stop_token_ids [id]            -> sampling.eos_token_id (replaces the model's eos)
     temperature (default 1, 0 with beams), top_p, top_k, seed, ignore_eos -> the same fields
-    stop (strings)                 -> cut in the front (one sequence only; refused with beams)
+    stop (strings)                 -> sampling.stop_strings (the engine ends each sequence or beam
+                                      there); the front also cuts the text before the first one
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from typing import Any
 from beamsplit.server.request_validation import EARLY_STOPPING_TO_PROTO
 from beamsplit.v1 import common_pb2, coordinator_pb2
 from engine.chat_template import ChatTemplateError
+from engine.config import SamplingParams
 from engine.tokenizer import Tokenizer
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI samples with when the field is absent
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = SamplingParams.MAX_STOP_STRINGS
 
 _COMMON_FIELDS = frozenset(
     {
@@ -50,6 +52,7 @@ _PROTO_TO_OPENAI = {
     "sampling.top_k": "top_k",
     "sampling.top_p": "top_p",
     "sampling.seed": "seed",
+    "sampling.stop_strings": "stop",
 }
 
 
@@ -69,7 +72,7 @@ class CompletionRequest:
     request: coordinator_pb2.GenerateRequest
     num_choices: int  # n: beams returned (best first), or 1
     is_beam_search: bool
-    stop: tuple[str, ...]  # cut out of the one sequence's text by the front
+    stop: tuple[str, ...]  # the engine ends sequences there; the front cuts each choice's text before it
     is_stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     prompt_param: str  # "prompt" or "messages", for errors about the prompt
@@ -214,12 +217,7 @@ def _with_sampling(
     if stop_token_ids:
         options.eos_token_id = stop_token_ids[0]
     stop = _stop_strings(fields)
-    if stop and is_beam_search:
-        raise OpenAIRequestError(
-            "stop",
-            "stop strings are not supported with beam search (its beams end only on one token: use "
-            "stop_token_ids)",
-        )
+    options.stop_strings.extend(stop)
     stream_options = fields.get("stream_options", {})
     if not isinstance(stream_options, Mapping):
         raise OpenAIRequestError("stream_options", "stream_options must be an object")

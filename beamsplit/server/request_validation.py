@@ -96,6 +96,7 @@ def sampling_params_from_proto(
         "temperature": options.temperature,
         "top_k": options.top_k,
         "ignore_eos": options.ignore_eos,
+        "stop_strings": tuple(options.stop_strings),
     }
     for name in ("beam_width", "max_new_tokens", "length_penalty", "eos_token_id", "top_p", "seed"):
         if options.HasField(name):
@@ -127,6 +128,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingOptio
         top_k=params.top_k,
         top_p=params.top_p,
         ignore_eos=params.ignore_eos,
+        stop_strings=params.stop_strings,
     )
     if params.eos_token_id is not None:
         options.eos_token_id = params.eos_token_id

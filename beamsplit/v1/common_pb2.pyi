@@ -17,7 +17,7 @@ EARLY_STOPPING_TRUE: EarlyStopping
 EARLY_STOPPING_NEVER: EarlyStopping
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("beam_width", "max_new_tokens", "length_penalty", "early_stopping", "eos_token_id", "temperature", "top_k", "top_p", "seed", "ignore_eos")
+    __slots__ = ("beam_width", "max_new_tokens", "length_penalty", "early_stopping", "eos_token_id", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_strings")
     BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class SamplingOptions(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     beam_width: int
     max_new_tokens: int
     length_penalty: float
@@ -38,7 +39,8 @@ class SamplingOptions(_message.Message):
     top_p: float
     seed: int
     ignore_eos: bool
-    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)

@@ -186,6 +186,74 @@ def test_stop_string_cuts_the_text(server: ServerProcess) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def first_stop_token(token_ids: list[int], stop: str) -> int:
+    """Index of the token after which the generated text first holds `stop` (whole-text decodes)."""
+    tokenizer = load_model_tokenizer(MODEL)
+    return next(end for end in range(len(token_ids)) if stop in tokenizer.decode(token_ids[: end + 1]))
+
+
+def test_stop_string_ends_the_request_in_the_engine(server: ServerProcess) -> None:
+    """The engine stops decoding at the stop string: the kept tokens, no more decode steps."""
+    prompt, max_tokens = "stop strings", 48
+    client = client_of(server)
+    free = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    full_ids: list[int] = free.token_ids  # type: ignore[attr-defined]
+    assert len(full_ids) == max_tokens
+    stop = free.text[5:7]
+    kept = first_stop_token(full_ids, stop) + 1
+    assert kept < max_tokens // 2
+    cut = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    choice = cut.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == free.text[: free.text.find(stop)]
+    assert choice.token_ids == full_ids[:kept]  # type: ignore[attr-defined]
+    assert cut.usage is not None and cut.usage.completion_tokens == kept
+    # Over gRPC the same request shows the engine's own count of decode steps (the generation
+    # worker's, disaggregated) and the beam's text with the stop string in it.
+    sampling = common_pb2.SamplingOptions(max_new_tokens=max_tokens, ignore_eos=True, stop_strings=[stop])
+    with BeamsplitClient(server.address) as grpc_client:
+        result = grpc_client.generate(build_request(prompt=prompt, sampling=sampling), timeout_s=120.0)
+    assert list(result.beams[0].token_ids) == full_ids[:kept]
+    assert result.beams[0].finish_reason == "stop" and stop in result.texts[0]
+    assert result.stats["decode_steps"] == kept
+
+
+def test_stop_string_ends_beams(server: ServerProcess) -> None:
+    token_ids = prompt_ids(40, seed=2)
+    client = client_of(server)
+    extra: dict[str, Any] = {"use_beam_search": True, "ignore_eos": True}
+    free = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=10, n=3, extra_body=extra)
+    stop = free.choices[0].text[3:5]
+    result = client.completions.create(
+        model=MODEL, prompt=token_ids, max_tokens=10, n=3, stop=stop, extra_body=extra
+    )
+    sampling = common_pb2.SamplingOptions(
+        beam_width=3, max_new_tokens=10, ignore_eos=True, stop_strings=[stop]
+    )
+    with BeamsplitClient(server.address) as grpc_client:
+        beams = grpc_client.generate(
+            build_request(token_ids=token_ids, sampling=sampling), timeout_s=120.0
+        ).beams
+    assert_choices_equal_beams(result.choices, beams)
+    stopped = [choice for choice in result.choices if choice.finish_reason == "stop"]
+    assert stopped, f"no beam ended on {stop!r}"
+    for choice in stopped:
+        tokens: list[int] = choice.token_ids  # type: ignore[attr-defined]
+        assert first_stop_token(tokens, stop) == len(tokens) - 1  # the beam ends at its completing token
+        assert stop not in choice.text
+    assert result.usage is not None
+    assert result.usage.completion_tokens == sum(len(beam.token_ids) for beam in beams)
+
+
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ("max_tokens 0", {"max_tokens": 0}, "max_tokens"),
     ("max_tokens huge", {"max_tokens": 100_000}, "max_tokens"),
@@ -200,7 +268,7 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("negative temperature", {"temperature": -1.0}, "temperature"),
     ("top_p 0", {"top_p": 0.0}, "top_p"),
-    ("stop with beams", {"n": 2, "stop": ["x"], "extra_body": {"use_beam_search": True}}, "stop"),
+    ("stop string too long", {"stop": ["x" * 129]}, "stop"),
     ("two stop token ids", {"extra_body": {"stop_token_ids": [1, 2]}}, "stop_token_ids"),
     ("stop token id outside vocab", {"extra_body": {"stop_token_ids": [999]}}, "stop_token_ids"),
     ("per-token logprobs", {"logprobs": 2}, "logprobs"),

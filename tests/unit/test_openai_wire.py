@@ -44,6 +44,14 @@ def test_beam_search_fields() -> None:
     assert parse(best_of=3, temperature=0).is_beam_search  # best_of > 1 at temperature 0 is beams
 
 
+def test_stop_strings_reach_the_engine_with_beams_too() -> None:
+    parsed = parse(stop="\n", max_tokens=9)
+    assert parsed.stop == ("\n",) and list(parsed.request.sampling.stop_strings) == ["\n"]
+    parsed = parse(use_beam_search=True, n=2, stop=["Q:", "\n\n"])
+    assert parsed.is_beam_search and list(parsed.request.sampling.stop_strings) == ["Q:", "\n\n"]
+    assert openai_param("sampling.stop_strings[0] must be a string of 1 to 128 characters", parsed) == "stop"
+
+
 def test_token_ids_and_stop_token_id() -> None:
     parsed = parse(prompt=[[5, 6, 7]], stop_token_ids=[42], seed=3, top_p=0.5, top_k=4)
     assert list(parsed.request.token_ids.token_ids) == [5, 6, 7]

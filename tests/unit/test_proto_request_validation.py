@@ -33,6 +33,7 @@ def test_unset_sampling_fields_take_the_engine_defaults() -> None:
         SamplingParams(beam_width=4, max_new_tokens=7, length_penalty=0.5, early_stopping=True),
         SamplingParams(beam_width=2, early_stopping="never", eos_token_id=3, ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11),
+        SamplingParams(beam_width=3, stop_strings=("\n\n", "Q:")),  # reaches the generation worker
     ],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
@@ -63,6 +64,18 @@ def test_text_prompt_is_tokenized_and_token_ids_pass_through() -> None:
         ),
         (request(text="hi", sampling=common_pb2.SamplingOptions(eos_token_id=999)), "sampling.eos_token_id"),
         (request(text="hi", sampling=common_pb2.SamplingOptions(top_k=261)), "sampling.top_k"),
+        (
+            request(text="hi", sampling=common_pb2.SamplingOptions(stop_strings=["a", ""])),
+            "sampling.stop_strings[1]",
+        ),
+        (
+            request(text="hi", sampling=common_pb2.SamplingOptions(stop_strings=["a"] * 5)),
+            "sampling.stop_strings",
+        ),
+        (
+            request(text="hi", sampling=common_pb2.SamplingOptions(stop_strings=["a" * 129])),
+            "sampling.stop_strings[0]",
+        ),
         (
             request(text="x" * 120, sampling=common_pb2.SamplingOptions(max_new_tokens=9)),
             "prompt is too long",
