@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine.models.gguf_checkpoint import GGUFCheckpoint
 from engine.models.source import PACKAGED_MODELS, resolve_model_source
@@ -100,3 +101,23 @@ def test_text_starting_with_bos_gets_one(tokenizer: Tokenizer, reference_tokeniz
         2,
         reference_tokenizer("Hi", add_special_tokens=False).input_ids[0],
     ]
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path: Path) -> Any:
+    """transformers' Gemma3ForCausalLM from the same file, de-quantized at load, float64."""
+    torch.set_num_threads(2)
+    quantization = transformers.GgufConfig(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float64, quantization_config=quantization
+    ).eval()
+
+
+def test_weights_equal_transformers(checkpoint: GGUFCheckpoint, reference: Any) -> None:
+    """Every tensor, de-quantized and converted back (norms minus 1), bit-equal to transformers'."""
+    state = checkpoint.state_dict(torch.float64)
+    expected = {name.removeprefix("model."): tensor for name, tensor in reference.state_dict().items()}
+    expected.pop("lm_head.weight")  # tied: the embedding
+    assert sorted(state) == sorted(expected)
+    differing = [name for name, tensor in state.items() if not torch.equal(tensor, expected[name])]
+    assert differing == []
