@@ -31,6 +31,34 @@ from torch import nn
 
 from engine.batch_invariant import row_layout
 
+ACTIVATION_WIDTH = 64  # elements: a multiple of every CPU elementwise loop's step (2 vectors of <= 32)
+ELEMENTWISE_GRAIN = 32768  # at::internal::GRAIN_SIZE: elementwise calls this large are split among threads
+
+
+def invariant_silu(gate: torch.Tensor) -> torch.Tensor:
+    """silu of gate [n, I] -> [n, I], each row's bits independent of n.
+
+    PyTorch's CPU elementwise loop runs whole steps of vectors, then a scalar tail, and splits a
+    call of ELEMENTWISE_GRAIN or more elements among threads at offsets set by the element count.
+    silu's vector exp (Sleef) and scalar exp (libm) round differently, so a row's bits depend on
+    where it lands: measured here (AVX-512, float32), a 24-wide row alone gave 2 of 24 values
+    other bits than inside a [2, 24] call. Rows padded to ACTIVATION_WIDTH columns and calls kept
+    under the grain put every element on the vector path. The experts' own I (768, 1408, 1536)
+    are multiples of 64, so real models pay no copy; GPUs compute each element alike anyway."""
+    num_rows, width = gate.shape
+    if gate.device.type != "cpu":
+        return nn.functional.silu(gate)
+    padded_width = -(-width // ACTIVATION_WIDTH) * ACTIVATION_WIDTH
+    if padded_width != width:
+        gate = nn.functional.pad(gate, (0, padded_width - width))  # [n, I rounded up]
+    rows_per_call = max(1, (ELEMENTWISE_GRAIN - 1) // padded_width)  # one row past the grain: split alike
+    if num_rows <= rows_per_call:
+        return nn.functional.silu(gate)[:, :width]
+    calls = [
+        nn.functional.silu(gate[first : first + rows_per_call]) for first in range(0, num_rows, rows_per_call)
+    ]
+    return torch.cat(calls)[:, :width]
+
 
 class Expert(nn.Module):
     """One SwiGLU expert: [n, E] -> [n, I] -> [n, E]."""
@@ -42,7 +70,8 @@ class Expert(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        # The product is one rounding in every code path; silu is not (see invariant_silu).
+        return self.down_proj(invariant_silu(self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
 class SparseMoeBlock(nn.Module):

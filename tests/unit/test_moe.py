@@ -3,7 +3,9 @@
 float64: equal to 1e-9 on random weights loaded from one state dict, norm_topk_prob on and off,
 batches where tokens share experts and experts go unpicked. Names: the `mlp.` slice of a tiny
 Qwen3-MoE checkpoint written by transformers' save_pretrained loads by name (strict) and computes
-what the saved model's layer computes.
+what the saved model's layer computes. Batch invariance (float32 and float64, on each of
+invariant_linear's paths): with make_batch_invariant, a token's output row is bitwise the same
+alone and among other tokens (some routed to its experts), with and without the pass's RowLayout.
 """
 
 from __future__ import annotations
@@ -13,9 +15,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.moe import SparseMoeBlock
+from engine import batch_invariant
+from engine.models.moe import SparseMoeBlock, invariant_silu
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 32, 24, 8, 3
+LINEAR_PATHS = ["onednn", "columns", "one-matmul", "grouped"]
+
+
+@pytest.fixture(params=LINEAR_PATHS)
+def linear_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """invariant_linear's four ways of keeping rows apart (as in test_batch_invariance.py): the
+    later ones are forced by reporting the earlier kernels' checks as failed."""
+    if request.param != "onednn":
+        monkeypatch.setattr(batch_invariant, "onednn_rows_are_independent", lambda *args: False)
+    if request.param not in ("onednn", "columns"):
+        monkeypatch.setattr(batch_invariant, "columns_are_independent", lambda *args: False)
+    if request.param == "grouped":
+        monkeypatch.setattr(batch_invariant, "rows_are_independent", lambda *args: False)
+    return str(request.param)
 
 
 def make_block(norm_topk_prob: bool, seed: int, dtype: torch.dtype = torch.float64) -> SparseMoeBlock:
@@ -165,3 +182,90 @@ def test_a_saved_qwen3_moe_layer_loads_by_name(tmp_path: Path) -> None:
             expected = reference(hidden[None]).squeeze(0)
             actual = block.to(torch.float64)(hidden)
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-9)
+
+
+def invariant_block(dtype: torch.dtype) -> tuple[SparseMoeBlock, SparseMoeBlock]:
+    """(plain block, the same weights made batch-invariant)."""
+    plain = make_block(norm_topk_prob=True, seed=7, dtype=dtype)
+    invariant = make_block(norm_topk_prob=True, seed=7, dtype=dtype)
+    batch_invariant.make_batch_invariant(invariant)
+    assert all(
+        type(layer) is batch_invariant.RowChunkedLinear
+        for layer in (invariant.gate, invariant.experts[0].up_proj)
+    )
+    return plain, invariant
+
+
+def neighbours(row: torch.Tensor, num_rows: int, generator: torch.Generator) -> torch.Tensor:
+    """[num_rows, E] random rows, every third one `row` scaled by 1.5 (its experts, other numbers)."""
+    batch = torch.randn(num_rows, HIDDEN, generator=generator, dtype=row.dtype)
+    batch[::3] = 1.5 * row
+    return batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tokens_row_does_not_depend_on_the_batch(dtype: torch.dtype, linear_path: str) -> None:
+    generator = torch.Generator().manual_seed(8)
+    plain, block = invariant_block(dtype)
+    row = torch.randn(1, HIDDEN, generator=generator, dtype=dtype)
+    with torch.no_grad():
+        alone = block(row)[0]
+        torch.testing.assert_close(alone, plain(row)[0])
+        for num_rows in (2, 3, 5, 13, 37):
+            for position in (0, num_rows // 2, num_rows - 1):
+                batch = neighbours(row[0], num_rows, generator)
+                batch[position] = row[0]
+                assert torch.equal(block(batch)[position], alone), (num_rows, position)
+        _, expert_ids = block.route(batch)
+        assert bool((torch.bincount(expert_ids.reshape(-1), minlength=NUM_EXPERTS) > 1).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_do_not_depend_on_the_batch_under_the_passs_row_layout(
+    dtype: torch.dtype, linear_path: str
+) -> None:
+    """As ModelRunner runs it: the pass's RowLayout set (the router's rows are the pass's tokens;
+    an expert's are not). A decode row of a width-W request and a prompt's last row give the same
+    bits alone and among other requests' prompt, beam and single rows."""
+    generator = torch.Generator().manual_seed(9)
+    _, block = invariant_block(dtype)
+    row = torch.randn(HIDDEN, generator=generator, dtype=dtype)
+    # (rows per sequence, group sizes) of the other sequences, before and after this request's
+    others = (
+        (([1], [1]), ([], [])),
+        (([1, 1, 1, 1], [4, 4, 4, 4]), ([1], [1])),
+        (([37], [0]), ([1, 1], [2, 2])),
+        (([5, 1, 1, 1], [0, 3, 3, 3]), ([20, 1], [0, 1])),
+    )
+    with torch.no_grad():
+        for own_rows, own_groups in (([1], [1]), ([1, 1], [2, 2]), ([1] * 4, [4] * 4), ([6], [0])):
+            own = neighbours(row, sum(own_rows), generator)
+            own[-1] = row
+            with batch_invariant.row_layout(batch_invariant.make_row_layout(own_rows, own_groups, "cpu")):
+                alone = block(own)[-1]
+            for before, after in others:
+                num_new_tokens = [*before[0], *own_rows, *after[0]]
+                batch = neighbours(row, sum(num_new_tokens), generator)
+                first = sum(before[0])
+                batch[first : first + len(own)] = own
+                layout = batch_invariant.make_row_layout(
+                    num_new_tokens, [*before[1], *own_groups, *after[1]], "cpu"
+                )
+                with batch_invariant.row_layout(layout):
+                    assert torch.equal(block(batch)[first + len(own) - 1], alone), (own_groups, before, after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_invariant_silu_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None:
+    """A row's silu bits alone equal its bits inside calls of other sizes, at widths that leave a
+    vector tail (24, 100), that need none (768), and calls past the threads' grain (700 rows)."""
+    generator = torch.Generator().manual_seed(10)
+    for width in (24, 100, 768):
+        row = torch.randn(1, width, generator=generator).to(dtype)
+        alone = invariant_silu(row)[0]
+        torch.testing.assert_close(alone, torch.nn.functional.silu(row)[0])
+        for num_rows in (2, 3, 7, 700):
+            batch = torch.randn(num_rows, width, generator=generator).to(dtype)
+            for position in (0, num_rows - 1):
+                batch[position] = row[0]
+                assert torch.equal(invariant_silu(batch)[position], alone), (width, num_rows, position)
