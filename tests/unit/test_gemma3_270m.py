@@ -4,22 +4,31 @@ Checked here:
 - the config the engine reads from the metadata is transformers' own Gemma3TextConfig for the file
   (18 layers, every 6th global, window 512, head_dim 256, rope bases 1e6 / 1e4);
 - the tokenizer built from the metadata (SentencePiece BPE with byte fallback, bos prepended)
-  encodes and decodes as transformers' GGUF tokenizer on varied text.
+  encodes and decodes as transformers' GGUF tokenizer on varied text;
+- every de-quantized weight equals transformers' bit for bit;
+- float64 logits at positions inside, at and past the 512-token window (prefilled in chunks), and
+  beam search 4 on prompts of 6 to 640 tokens, equal transformers' (`generate`, the same file).
 Needs the gemma3-270m packages (scripts/setup.sh installs them); skipped with the pip command
 otherwise.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.attention import prepare_attention
+from engine.kv_pool import KVPool
 from engine.models.gguf_checkpoint import GGUFCheckpoint
 from engine.models.source import PACKAGED_MODELS, resolve_model_source
 from engine.tokenizer import Tokenizer
+from tests.helpers.hf_reference import reference_beams
 
 transformers = pytest.importorskip("transformers")
 # Parsing 262144 tokens' metadata is slow in `gguf` and in transformers alike (seconds alone, a
@@ -121,3 +130,87 @@ def test_weights_equal_transformers(checkpoint: GGUFCheckpoint, reference: Any) 
     assert sorted(state) == sorted(expected)
     differing = [name for name, tensor in state.items() if not torch.equal(tensor, expected[name])]
     assert differing == []
+
+
+# A text long enough that its prompts run well past the 512-token window of the sliding layers.
+STORY = " ".join(
+    f"Day {day}: the ship sailed {direction} past {place}, and the crew counted {day * 7} gulls."
+    for day, (direction, place) in enumerate(
+        [("north", "the lighthouse"), ("east", "a fishing village"), ("south", "the red cliffs"),
+         ("west", "an island of pines"), ("north-east", "two wrecks")] * 12, start=1,
+    )
+)  # fmt: skip
+FRANCE = "The capital of France is"
+MAX_NEW_TOKENS = 8
+SCORE_TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_path: Path) -> Iterator[LLMEngine]:
+    yield LLMEngine(
+        EngineConfig(model=MODEL, dtype="float64", cache=CacheConfig(tokens_per_block=32, num_blocks=96))
+    )
+
+
+def prompt_of(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` ids of STORY (bos first), so lengths land on chosen block boundaries."""
+    ids = tokenizer.encode(STORY)
+    assert len(ids) >= num_tokens, len(ids)
+    return ids[:num_tokens]
+
+
+def test_logits_match_transformers_past_the_window(engine: LLMEngine, reference: Any) -> None:
+    prompt = prompt_of(engine.tokenizer, 700)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]  # [T, V]
+    positions = [5, 511, 512, 513, 699]  # inside, at and past the 512-token window
+    logits = engine_logits(engine, prompt, positions)
+    difference = (logits - expected[positions]).abs().max().item()
+    print(f"max |logit difference| over {len(positions)} positions: {difference:.3g}")
+    assert difference < 1e-9
+
+
+@pytest.mark.parametrize("num_tokens", [6, 96, 511, 513, 640])
+def test_beam_search_4_matches_transformers(engine: LLMEngine, reference: Any, num_tokens: int) -> None:
+    eos = engine.tokenizer.eos_token_id
+    prompt = engine.tokenizer.encode(FRANCE) if num_tokens == 6 else prompt_of(engine.tokenizer, num_tokens)
+    assert len(prompt) == num_tokens
+    expected = reference_beams(reference, prompt, 4, MAX_NEW_TOKENS, 1.0, False, eos)
+    output = engine.generate(
+        prompt,
+        SamplingParams(beam_width=4, max_new_tokens=MAX_NEW_TOKENS, length_penalty=1.0, eos_token_id=eos),
+    )
+    engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
+    for index, (beam, (tokens, score, stopped)) in enumerate(zip(output.beams, expected, strict=True)):
+        assert beam.token_ids == tokens, f"beam {index}: {engine.tokenizer.decode(beam.token_ids)!r}"
+        assert math.isclose(beam.score, score, rel_tol=0.0, abs_tol=SCORE_TOLERANCE), f"beam {index}"
+        assert beam.finish_reason == ("stop" if stopped else "length"), f"beam {index}"
+    if num_tokens == 6:
+        assert (
+            engine.tokenizer.decode(output.beams[0].token_ids) == " one of the most beautiful cities in the"
+        )
+
+
+def engine_logits(engine: LLMEngine, prompt: list[int], positions: list[int]) -> torch.Tensor:
+    """The engine model's logits after each of `positions`, prefilling the prompt in chunks that end
+    there (so the sliding layers also read their window across chunks), in a pool of its own."""
+    config = engine.model_config
+    pool = KVPool(config, CacheConfig(tokens_per_block=32, num_blocks=24), torch.float64, "cpu")
+    block_ids = list(range(24))
+    rows, start = [], 0
+    for position in positions:
+        metadata = prepare_attention(
+            [(block_ids, start, position + 1 - start)],
+            32,
+            torch.device("cpu"),
+            sliding_windows=config.sliding_windows,
+        )
+        with torch.no_grad():
+            rows.append(
+                engine.runner.model(
+                    torch.tensor(prompt[start : position + 1]), metadata.positions, pool, metadata
+                )[0]
+            )
+        start = position + 1
+    return torch.stack(rows)  # [len(positions), V]

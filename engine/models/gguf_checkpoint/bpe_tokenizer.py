@@ -25,7 +25,7 @@ def byte_level_bpe(meta: Metadata) -> RawTokenizer:
             f"tokenizer.ggml.pre {pre!r} is not supported for gpt2 (supported: {tuple(BYTE_LEVEL_PRE_TOKENIZERS)})"
         )
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")
-    merges: list[str] = meta.get("tokenizer.ggml.merges")
+    merges: list[str] = meta.get("tokenizer.ggml.merges", [])
     token_types: list[int] = meta.get("tokenizer.ggml.token_type", [])
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
