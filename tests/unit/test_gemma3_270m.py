@@ -14,6 +14,7 @@ otherwise.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 
+import engine as engine_package
+from beamsplit.cli import main
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.attention import prepare_attention
 from engine.kv_pool import KVPool
@@ -165,12 +168,15 @@ def test_logits_match_transformers_past_the_window(engine: LLMEngine, reference:
         expected = reference(torch.tensor([prompt])).logits[0]  # [T, V]
     positions = [5, 511, 512, 513, 699]  # inside, at and past the 512-token window
     logits = engine_logits(engine, prompt, positions)
+    assert not torch.equal(logits[3], logits[4])  # five different rows, not one broadcast
     difference = (logits - expected[positions]).abs().max().item()
     print(f"max |logit difference| over {len(positions)} positions: {difference:.3g}")
     assert difference < 1e-9
 
 
-@pytest.mark.parametrize("num_tokens", [6, 96, 511, 513, 640])
+# A few tokens, a few blocks, and past the window (decoding at 640..647); the logits test above
+# covers the positions either side of 512. More lengths cost ~30 s each (2.5 min on a loaded machine).
+@pytest.mark.parametrize("num_tokens", [6, 96, 640])
 def test_beam_search_4_matches_transformers(engine: LLMEngine, reference: Any, num_tokens: int) -> None:
     eos = engine.tokenizer.eos_token_id
     prompt = engine.tokenizer.encode(FRANCE) if num_tokens == 6 else prompt_of(engine.tokenizer, num_tokens)
@@ -214,3 +220,37 @@ def engine_logits(engine: LLMEngine, prompt: list[int], positions: list[int]) ->
             )
         start = position + 1
     return torch.stack(rows)  # [len(positions), V]
+
+
+def test_cli_generate_json_lists_transformers_beams(
+    engine: LLMEngine, reference: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`beamsplit generate --model gemma3-270m ... --json`, on this module's float64 engine (a second
+    load would double the test's time; the CLI's own float32 run is quoted in docs/model.md)."""
+    built: list[str] = []
+
+    def reuse_engine(config: EngineConfig) -> LLMEngine:
+        built.append(config.model)
+        return engine
+
+    monkeypatch.setattr(engine_package, "LLMEngine", reuse_engine)  # what the CLI imports
+    argv = [
+        "generate",
+        "--model",
+        MODEL,
+        "--prompt",
+        FRANCE,
+        "--beam-width",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]
+    assert main(argv) == 0
+    assert built == [MODEL]
+    beams = json.loads(capsys.readouterr().out)["beams"]
+    expected = reference_beams(
+        reference, engine.tokenizer.encode(FRANCE), 4, 8, 1.0, False, engine.tokenizer.eos_token_id
+    )
+    assert [beam["token_ids"] for beam in beams] == [tokens for tokens, _, _ in expected]
+    assert beams[0]["text"] == " one of the most beautiful cities in the"
