@@ -24,6 +24,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import KVPool
 from engine.models.config import Llama3RopeScaling, ModelConfig
+from engine.models.moe import SparseMoeBlock
 from engine.models.traits import GELU_TANH, AttentionKind
 
 
@@ -205,7 +206,13 @@ def make_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
     """The dense MLP, or on a family's sparse layers the mixture of experts."""
     moe = config.traits.moe
     if moe is not None and layer_index in moe.sparse_layers:
-        raise ValueError(f"{config.model_type}: the mixture-of-experts feed-forward is not built yet")
+        return SparseMoeBlock(
+            hidden_size=config.hidden_size,
+            moe_intermediate_size=moe.moe_intermediate_size,
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.num_experts_per_tok,
+            norm_topk_prob=moe.norm_topk_prob,
+        )
     return MLP(config)
 
 

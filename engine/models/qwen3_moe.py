@@ -13,17 +13,20 @@ from engine.models.llama import activation, decoder_config
 from engine.models.traits import SILU, AttentionKind, FamilyTraits, MoeTraits
 
 
+def num_experts(raw: dict[str, Any]) -> int:
+    """transformers 5 writes `num_local_experts` (its attribute map's name for num_experts)."""
+    return int(raw.get("num_experts", raw.get("num_local_experts", 128)))
+
+
 def sparse_layers(raw: dict[str, Any]) -> tuple[int, ...]:
     num_layers = int(raw["num_hidden_layers"])
-    num_experts = int(raw.get("num_experts", 128))
+    experts = num_experts(raw)
     step = int(raw.get("decoder_sparse_step", 1))
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
     dense = {int(index) for index in raw.get("mlp_only_layers") or ()}
     return tuple(
-        index
-        for index in range(num_layers)
-        if index not in dense and num_experts > 0 and (index + 1) % step == 0
+        index for index in range(num_layers) if index not in dense and experts > 0 and (index + 1) % step == 0
     )
 
 
@@ -35,7 +38,7 @@ def qwen3_moe_from_dict(raw: dict[str, Any]) -> ModelConfig:
     moe = None
     if layers:
         moe = MoeTraits(
-            num_experts=int(raw.get("num_experts", 128)),
+            num_experts=num_experts(raw),
             num_experts_per_tok=int(raw.get("num_experts_per_tok", 8)),
             moe_intermediate_size=int(raw.get("moe_intermediate_size", 768)),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),

@@ -94,6 +94,13 @@ def reference_class(family: str) -> Any:
     }[family]
 
 
+def load_reference(family: str, directory: str | Path, dtype: Any) -> Any:
+    """The checkpoint loaded by transformers in `dtype`, eval mode. Qwen3-MoE's experts run eagerly:
+    the default grouped_mm kernel has no float64."""
+    options = {"experts_implementation": "eager"} if family == "qwen3_moe" else {}
+    return reference_class(family).from_pretrained(directory, dtype=dtype, **options).eval()
+
+
 def write_family_checkpoint(directory: str | Path, family: str, *, seed: int = 0, **overrides: Any) -> Path:
     import torch
 

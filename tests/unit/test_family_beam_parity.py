@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from tests.helpers.family_checkpoints import reference_class, write_family_checkpoint
+from tests.helpers.family_checkpoints import load_reference, write_family_checkpoint
 from tests.helpers.hf_reference import ReferenceBeam, reference_beams
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ("qwen2", "qwen3", "mistral", "gemma3", "phi3")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3", "phi3")
 PROMPT_LENS = (3, 8, 9, 15, 16, 17, 32, 33)
 BEAM_WIDTHS = (1, 2, 3, 4)
 LENGTH_PENALTIES = (0.5, 1.0, 2.0)
@@ -87,7 +87,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, R
     result = {}
     for seed, family in enumerate(FAMILIES):
         directory: Path = write_family_checkpoint(tmp_path_factory.mktemp(family), family, seed=seed + 20)
-        model = reference_class(family).from_pretrained(directory, dtype=torch.float64).eval()
+        model = load_reference(family, directory, torch.float64)
         engines = {
             size: LLMEngine(
                 EngineConfig(

@@ -13,18 +13,19 @@ import pytest
 import torch
 
 from engine.models.loader import load_model
-from tests.helpers.family_checkpoints import SLIDING_WINDOW, reference_class, write_family_checkpoint
+from tests.helpers.family_checkpoints import SLIDING_WINDOW, load_reference, write_family_checkpoint
 from tests.unit.test_model_parity import make_pool, prompt, run_step
 
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-12
 PROMPT_LENS = (1, 7, 8, 9, 16, 17, 40)
-FAMILIES = ("qwen2", "qwen3", "mistral", "gemma3", "phi3")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3", "phi3")
 # The families whose tiny checkpoint has sliding layers, and the window each declares per layer.
 WINDOWS = {
     "qwen2": (None, SLIDING_WINDOW),
     "qwen3": (None, None),
+    "qwen3_moe": (None, None, None),
     "mistral": (SLIDING_WINDOW, SLIDING_WINDOW),
     "gemma3": (SLIDING_WINDOW, None, SLIDING_WINDOW),
     "phi3": (SLIDING_WINDOW, SLIDING_WINDOW),
@@ -52,7 +53,7 @@ def reference_logits(reference: torch.nn.Module, token_ids: list[int]) -> torch.
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_then_decode_matches_transformers(checkpoints: dict[str, Path], family: str) -> None:
     model, config, _ = load_model(checkpoints[family], "float64", "cpu")
-    reference = reference_class(family).from_pretrained(checkpoints[family], dtype=torch.float64).eval()
+    reference = load_reference(family, checkpoints[family], torch.float64)
     assert config.traits.family == family
     assert config.kv_layer_windows == WINDOWS[family]
     assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
@@ -74,7 +75,7 @@ def test_chunked_prefill_across_the_window_matches_transformers(
     checkpoints: dict[str, Path], family: str
 ) -> None:
     model, config, _ = load_model(checkpoints[family], "float64", "cpu")
-    reference = reference_class(family).from_pretrained(checkpoints[family], dtype=torch.float64).eval()
+    reference = load_reference(family, checkpoints[family], torch.float64)
     token_ids = prompt(45, config.vocab_size, seed=7)
     pool = make_pool(model, 16)
     run_step(model, pool, [([5, 2, 9], 0, token_ids[:13])])

@@ -94,15 +94,17 @@ def batches(seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_float64_equals_transformers(norm_topk_prob: bool) -> None:
+    """The plain block and its batch-invariant twin (same weights) both."""
     block = make_block(norm_topk_prob, seed=0)
     reference = transformers_block(block)
+    invariant = batch_invariant.make_batch_invariant(make_block(norm_topk_prob, seed=0))
     saw_unpicked_expert = saw_every_expert = saw_shared_expert = False
     with torch.no_grad():
         for hidden in batches(seed=1):
             expected = reference(hidden[None]).squeeze(0)
-            actual = block(hidden)
-            assert actual.dtype == torch.float64 and actual.shape == hidden.shape
-            torch.testing.assert_close(actual, expected, rtol=0, atol=1e-9)
+            for actual in (block(hidden), invariant(hidden)):
+                assert actual.dtype == torch.float64 and actual.shape == hidden.shape
+                torch.testing.assert_close(actual, expected, rtol=0, atol=1e-9)
             _, expert_ids = block.route(hidden)
             counts = torch.bincount(expert_ids.reshape(-1), minlength=NUM_EXPERTS)
             saw_unpicked_expert |= bool((counts == 0).any())
