@@ -9,13 +9,18 @@ Token layout of one sequence b with c cached and n new tokens (positions):
     0 ........ c-1 | c ........ c+n-1
     already in pool | new: written to the pool, then each attends to [0, its position]
 
+A layer with a sliding window W (its attention kind, engine/models/traits.py) attends to
+[position - W + 1, position] instead (transformers' `kv_idx > q_idx - W`). The metadata carries one
+key mask per window of the model (`sliding_windows`), so every layer of one kind shares it and a
+cache that learns per-layer windows reads them from the same place.
+
 `prepare_attention` packs the batch into tensors once per step; every layer reuses them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +46,18 @@ class AttentionMetadata:
     # Set in batch-invariant mode: paged_attention then runs engine/invariant_attention.py's kernel
     # (and key_mask, which only the padded kernel reads, is None).
     invariant: InvariantLayout | None = None
+    # Per sliding window W of the model: key_mask with the keys at or before position - W hidden
+    # (padded kernel only; the invariant layout holds its own per-window masks).
+    window_key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def key_mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, Q, K] keys a query may see in a layer of this window (None: full attention)."""
+        if sliding_window is None:
+            assert self.key_mask is not None
+            return self.key_mask
+        if sliding_window not in self.window_key_masks:
+            raise ValueError(f"no attention metadata for sliding window {sliding_window}")
+        return self.window_key_masks[sliding_window]
 
     @property
     def num_seqs(self) -> int:
@@ -57,10 +74,12 @@ def prepare_attention(
     device: torch.device | str,
     is_decode: Sequence[bool] | None = None,
     beam_group_sizes: Sequence[int] | None = None,
+    sliding_windows: Sequence[int] = (),
 ) -> AttentionMetadata:
     """is_decode: one flag per sequence (a decode step feeds one generated token) selects the
     batch-invariant kernel; None keeps the padded one. beam_group_sizes: per decode sequence the
-    beam width W of its request, whose W beams are consecutive (their shared pages are read once)."""
+    beam width W of its request, whose W beams are consecutive (their shared pages are read once).
+    sliding_windows: the model's distinct windows (ModelConfig.sliding_windows)."""
     if not seqs:
         raise ValueError("seqs must hold at least one sequence")
     slots: list[int] = []
@@ -111,8 +130,11 @@ def prepare_attention(
 
     invariant = None
     key_mask = None
+    window_key_masks: dict[int, torch.Tensor] = {}
     if is_decode is not None:
-        invariant = prepare_invariant_layout(seqs, is_decode, tokens_per_block, device, beam_group_sizes)
+        invariant = prepare_invariant_layout(
+            seqs, is_decode, tokens_per_block, device, beam_group_sizes, sliding_windows
+        )
     else:
         # A padded query slot keeps position 0, so it sees key 0 and its softmax stays finite;
         # its output is never read.
@@ -120,6 +142,9 @@ def prepare_attention(
         padded_positions[query_seq_tensor, query_offset_tensor] = positions_tensor
         key_slots = torch.arange(max_blocks * tokens_per_block, device=device)  # [K]
         key_mask = key_slots[None, None, :] <= padded_positions[:, :, None]  # [B, Q, K]
+        for window in sliding_windows:
+            in_window = key_slots[None, None, :] > padded_positions[:, :, None] - window  # [B, Q, K]
+            window_key_masks[window] = key_mask & in_window
 
     return AttentionMetadata(
         tokens_per_block=tokens_per_block,
@@ -133,6 +158,7 @@ def prepare_attention(
         query_offsets=query_offset_tensor,
         key_mask=key_mask,
         invariant=invariant,
+        window_key_masks=window_key_masks,
     )
 
 
@@ -151,14 +177,19 @@ def write_kv(
 
 
 def paged_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """query [N, H, D] (rotary applied), kv_layer [num_blocks, 2, T, Hkv, D] already holding the
-    new tokens' K/V -> attention output [N, H, D]."""
+    new tokens' K/V -> attention output [N, H, D]; a layer with a sliding window sees only its
+    last `sliding_window` positions."""
     if metadata.invariant is not None:
-        return invariant_attention(query, kv_layer, metadata.invariant, scale)
-    assert metadata.key_mask is not None
-    num_seqs, max_query_len, num_key_slots = metadata.key_mask.shape
+        return invariant_attention(query, kv_layer, metadata.invariant, scale, sliding_window)
+    key_mask = metadata.key_mask_for(sliding_window)
+    num_seqs, max_query_len, num_key_slots = key_mask.shape
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_layer.shape[3]
     group = num_heads // num_kv_heads
@@ -180,7 +211,7 @@ def paged_attention(
 
     scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G*Q, K]
     scores = scores.view(num_seqs, num_kv_heads, group, max_query_len, num_key_slots)
-    scores = scores.masked_fill(~metadata.key_mask[:, None, None], float("-inf"))  # [B, Hkv, G, Q, K]
+    scores = scores.masked_fill(~key_mask[:, None, None], float("-inf"))  # [B, Hkv, G, Q, K]
     # bfloat16 scores are normalised in float32; float32 and float64 keep their own precision.
     softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
     probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(query.dtype)

@@ -94,8 +94,10 @@ _ROW_LAYOUT: ContextVar[RowLayout | None] = ContextVar("beamsplit_row_layout", d
 
 
 @contextmanager
-def row_layout(layout: RowLayout) -> Iterator[None]:
-    """Linear layers called inside group their rows by `layout`."""
+def row_layout(layout: RowLayout | None) -> Iterator[None]:
+    """Linear layers called inside group their rows by `layout`; None for rows that are not the
+    batch's tokens nor its sequences (one expert's tokens, engine/models/moe.py): no layout
+    applies to them, so they take the default grouping, which is invariant too."""
     token = _ROW_LAYOUT.set(layout)
     try:
         yield

@@ -22,6 +22,9 @@ engine/batch_invariant.py):
   here: measured, summing a middle axis whose inner size is under 16 or so changes bits with
   the axis length and the row count.
 
+A sliding-window layer (window W) hides, in both paths, the keys at or before position - W as well;
+the hidden keys follow from a token's position and W alone, so invariance holds there too.
+
 The cost is up to 63 padding query rows per prompt sequence and pass, and smaller matmuls for
 decode; `bench invariance` measures it. See docs/engine.md, "Batch invariance".
 
@@ -32,7 +35,7 @@ heads, Hkv kv heads, G = H / Hkv, D head dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +64,15 @@ class AttentionSlice:
     # of its pages and one matmul of R G rows: per R, the member pairs [items, R] (R is a function
     # of the request's own beams, never of the batch).
     shared: tuple[torch.Tensor, ...] = ()
+    # Per sliding window W of the model: hidden_keys with the keys at or before position - W hidden too.
+    window_hidden_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def hidden_keys_for(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is None:
+            return self.hidden_keys
+        if sliding_window not in self.window_hidden_keys:
+            raise ValueError(f"no decode layout for sliding window {sliding_window}")
+        return self.window_hidden_keys[sliding_window]
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,11 @@ def prepare_invariant_layout(
     tokens_per_block: int,
     device: torch.device | str,
     beam_group_sizes: Sequence[int] | None = None,
+    sliding_windows: Sequence[int] = (),
 ) -> InvariantLayout:
     """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention;
     beam_group_sizes: per decode sequence the W of its request, whose W beams are consecutive
-    (None: each decode sequence is a request of its own)."""
+    (None: each decode sequence is a request of its own); sliding_windows: the model's windows."""
     num_tokens = sum(num_new for _, _, num_new in seqs)
     # Per request, (token index, position, block ids) of each decoding beam
     decode_groups: list[list[tuple[int, int, Sequence[int]]]] = []
@@ -115,12 +128,12 @@ def prepare_invariant_layout(
     for group in decode_groups:
         pages = max(len(beam[2]) for beam in group)
         if current and (num_units + len(group)) * max(max_pages, pages) > MAX_DECODE_ITEMS:
-            slices.append(_make_slice(current, max_pages, tokens_per_block, device))
+            slices.append(_make_slice(current, max_pages, tokens_per_block, device, sliding_windows))
             current, num_units, max_pages = [], 0, 0
         current.append(group)
         num_units, max_pages = num_units + len(group), max(max_pages, pages)
     if current:
-        slices.append(_make_slice(current, max_pages, tokens_per_block, device))
+        slices.append(_make_slice(current, max_pages, tokens_per_block, device, sliding_windows))
     return InvariantLayout(tuple(slices), tuple(prompts))
 
 
@@ -158,6 +171,7 @@ def _make_slice(
     max_pages: int,
     tokens_per_block: int,
     device: torch.device | str,
+    sliding_windows: Sequence[int] = (),
 ) -> AttentionSlice:
     num_items = -(-max_pages // PAGES_PER_ITEM)
     keys_per_item = PAGES_PER_ITEM * tokens_per_block
@@ -185,16 +199,24 @@ def _make_slice(
             by_size.setdefault(len(members), []).append(members)
     key_offsets = torch.arange(keys_per_item, device=device)  # [K]
     positions_tensor = torch.tensor(pair_positions, dtype=torch.long, device=device)  # [V, Q]
+    hidden_keys = key_offsets[None, None, :] > positions_tensor[:, :, None]  # [V, Q, K]
+    # Key k of a pair's item is at position - (its position within the item - k): out of a window W
+    # when k <= position_in_item - W.
+    window_hidden_keys = {
+        window: hidden_keys | (key_offsets[None, None, :] <= positions_tensor[:, :, None] - window)
+        for window in sliding_windows
+    }
     return AttentionSlice(
         token_index=torch.tensor(token_index, dtype=torch.long, device=device),
         num_items=num_items,
         pair_unit=torch.tensor(pair_unit, dtype=torch.long, device=device),
         pair_slot=torch.tensor(pair_slot, dtype=torch.long, device=device),
         pair_pages=torch.tensor(pair_pages, dtype=torch.long, device=device),
-        hidden_keys=key_offsets[None, None, :] > positions_tensor[:, :, None],
+        hidden_keys=hidden_keys,
         shared=tuple(
             torch.tensor(members, dtype=torch.long, device=device) for _, members in sorted(by_size.items())
         ),
+        window_hidden_keys=window_hidden_keys,
     )
 
 
@@ -210,7 +232,11 @@ def tree_sum(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def invariant_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, layout: InvariantLayout, scale: float
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    layout: InvariantLayout,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """query [N, H, D] (rotary applied), kv_layer [blocks, 2, T, Hkv, D] holding the new tokens'
     K/V -> [N, H, D]; see the module docstring for why every shape is fixed."""
@@ -218,9 +244,9 @@ def invariant_attention(
     padded_query = torch.cat((query, query.new_zeros((1, num_heads, head_dim))))  # row N: padding
     output = query.new_empty((num_tokens + 1, num_heads, head_dim))
     for part in layout.slices:
-        _decode_attention(padded_query, kv_layer, part, scale, output)
+        _decode_attention(padded_query, kv_layer, part, scale, output, sliding_window)
     for prompt in layout.prompts:
-        _prompt_attention(padded_query, kv_layer, prompt, scale, output)
+        _prompt_attention(padded_query, kv_layer, prompt, scale, output, sliding_window)
     return output[:num_tokens]
 
 
@@ -242,6 +268,7 @@ def _prompt_attention(
     prompt: PromptSequence,
     scale: float,
     output: torch.Tensor,
+    sliding_window: int | None,
 ) -> None:
     """Unit by unit: scores [Hkv, Q G, end], softmax, and P @ V [Hkv, Q G, end] x [Hkv, end, D], where
     end = (k + 1) * Q for unit k. The keys and values are one gathered copy of the sequence's
@@ -262,6 +289,14 @@ def _prompt_attention(
         scores.view(num_kv_heads, PROMPT_UNIT, group, end)[..., end - PROMPT_UNIT :].masked_fill_(
             causal, float("-inf")
         )
+        if sliding_window is not None:
+            # Keys at or before position - W: a function of the unit (its end) and W alone.
+            query_positions = torch.arange(end - PROMPT_UNIT, end, device=padded_query.device)
+            key_positions = torch.arange(end, device=padded_query.device)
+            out_of_window = key_positions[None, :] <= query_positions[:, None] - sliding_window  # [Q, end]
+            scores.view(num_kv_heads, PROMPT_UNIT, group, end).masked_fill_(
+                out_of_window[:, None, :], float("-inf")
+            )
         # One fused pass per row (maximum, exp, sum, scale); hidden keys weigh exactly 0.
         probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype)
         unit_output = torch.bmm(probs, values[:end].transpose(0, 1))  # [Hkv, Q G, D]
@@ -278,6 +313,7 @@ def _decode_attention(
     part: AttentionSlice,
     scale: float,
     output: torch.Tensor,
+    sliding_window: int | None,
 ) -> None:
     """Decode tokens against fixed items of PAGES_PER_ITEM pages, summed by tree_sum.
 
@@ -290,7 +326,8 @@ def _decode_attention(
     group = num_heads // num_kv_heads
     dtype, softmax_dtype = padded_query.dtype, _softmax_dtype(padded_query.dtype)
     num_units = part.token_index.shape[0]
-    num_pairs, _, keys_per_item = part.hidden_keys.shape
+    hidden_keys = part.hidden_keys_for(sliding_window)
+    num_pairs, _, keys_per_item = hidden_keys.shape
     unit_query = (padded_query[part.token_index[:, 0]] * scale).view(num_units, num_kv_heads, group, head_dim)
     pair_query = unit_query[part.pair_unit]  # [V, Hkv, G, D]
     # Per bucket of R pairs sharing an item: its pages copied once [n, K, Hkv, D], position order.
@@ -314,7 +351,7 @@ def _decode_attention(
             num_kv_heads, num_shared * size, group, keys_per_item
         )
         buckets.append((members, values))
-    scores = scores.to(softmax_dtype).masked_fill_(part.hidden_keys[None, :, :, :], float("-inf"))
+    scores = scores.to(softmax_dtype).masked_fill_(hidden_keys[None, :, :, :], float("-inf"))
     # The row maximum over a token's pairs: exact in any order.
     item_max = scores.new_full((num_kv_heads, num_units * part.num_items, group), float("-inf"))
     item_max[:, part.pair_slot] = scores.amax(dim=-1)

@@ -77,7 +77,12 @@ class ModelRunner:
         specs = [(seq.block_ids, seq.num_cached_tokens, len(seq.token_ids)) for seq in seqs]
         is_decode = [seq.is_decode for seq in seqs] if self.batch_invariant else None
         metadata = prepare_attention(
-            specs, self.kv_pool.tokens_per_block, self.device, is_decode, beam_group_sizes(seqs)
+            specs,
+            self.kv_pool.tokens_per_block,
+            self.device,
+            is_decode,
+            beam_group_sizes(seqs),
+            self.model.config.sliding_windows,
         )
         token_ids = [token_id for seq in seqs for token_id in seq.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]

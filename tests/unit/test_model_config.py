@@ -61,8 +61,9 @@ def test_mistral_without_sliding_window_is_llama() -> None:
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"model_type": "qwen2"}, "model_type"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling.rope_type"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
         (

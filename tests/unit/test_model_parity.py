@@ -67,6 +67,7 @@ def run_step(model: LlamaModel, pool: KVPool, seqs: list[tuple[list[int], int, l
         [(block_ids, cached, len(new_ids)) for block_ids, cached, new_ids in seqs],
         pool.tokens_per_block,
         "cpu",
+        sliding_windows=model.config.sliding_windows,
     )
     input_ids = torch.tensor([token for _, _, new_ids in seqs for token in new_ids])
     return model(input_ids, metadata.positions, pool, metadata)
