@@ -31,7 +31,7 @@ from tokenizers import Tokenizer as RawTokenizer
 
 from engine.chat_template import ChatTemplate
 from engine.models.config import ModelConfig
-from engine.tokenizer import HFTokenizer
+from engine.tokenizer import HFTokenizer, byte_alphabet
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def _tokenizer(path: Path, reader: GGUFReader, config: ModelConfig) -> HFTokeniz
     tokens: list[str] = _value(reader, "tokenizer.ggml.tokens")
     merges: list[str] = _value(reader, "tokenizer.ggml.merges")
     token_types: list[int] = _value(reader, "tokenizer.ggml.token_type", [])
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     vocab = {
         token if set(token) <= spelled else "".join(alphabet[byte] for byte in token.encode("utf-8")): index
@@ -224,22 +224,6 @@ def _tokenizer(path: Path, reader: GGUFReader, config: ModelConfig) -> HFTokeniz
 def _merge_pair(merge: str) -> tuple[str, str]:
     left, _, right = merge.partition(" ")
     return left, right
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map that byte-level vocabularies are spelled in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    alphabet = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in alphabet:
-            alphabet[byte] = chr(256 + extra)
-            extra += 1
-    return alphabet
 
 
 def _value(reader: GGUFReader, name: str, default: Any = None) -> Any:
