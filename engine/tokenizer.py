@@ -48,7 +48,9 @@ class ByteTokenizer:
     PAD_TOKEN_ID = 258
     UNK_TOKEN_ID = 259
     VOCAB_SIZE = 260
-    SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>", "<unk>")  # ids 256.. in this order
+    # ids 256.. in this order; spelled so that no ordinary text holds them (an exported tokenizer
+    # matches added tokens in text, ByteTokenizer never does)
+    SPECIAL_TOKENS = ("<|tiny_bos|>", "<|tiny_eos|>", "<|tiny_pad|>", "<|tiny_unk|>")
 
     @property
     def vocab_size(self) -> int:
