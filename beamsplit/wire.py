@@ -12,6 +12,10 @@ from beamsplit.v1 import common_pb2
 from engine.tokenizer import Tokenizer
 from engine.types import Beam, RequestOutput
 
+# ReleaseRequest.reason from a generation worker whose pull completed: the context worker counts
+# the pages it served on this release when it comes before the offer's own completion.
+PULLED_REASON = "pulled"
+
 
 class ServiceError(Exception):
     """A failure with the status the client should see; the message says what and where."""

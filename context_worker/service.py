@@ -31,7 +31,7 @@ from beamsplit.server.admission_queue import AdmissionLimits, AdmissionQueue
 from beamsplit.server.engine_loop import EngineLoop, EngineLoopError, OutputStream, RequestDroppedError
 from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
-from beamsplit.wire import ServiceError
+from beamsplit.wire import PULLED_REASON, ServiceError
 from engine.block_allocator import OutOfBlocksError, PoolTooSmallError
 from transfer import TransferAgent, TransferStatus
 
@@ -189,10 +189,18 @@ class ContextService:
         )
 
     def release(self, transfer_id: str, reason: str) -> bool:
-        """Ends the hold now (idempotent); False when it had already ended."""
+        """Ends the hold now (idempotent); False when it had already ended.
+
+        The served pages are counted by whichever of this and `_on_offer_done` pops the hold, so
+        once per transfer: the generation worker releases with reason "pulled" as soon as its pull
+        completes, which often reaches us before the agent reports the offer done (that race left
+        this side's beamsplit_transfer_blocks_total short of the generation worker's)."""
         hold = self._pop_hold(transfer_id)
         if hold is None:
             return False
+        if reason == PULLED_REASON:
+            num_pages = self._agent.num_pages_pulled(transfer_id)
+            self._metrics.record_transfer(num_pages, num_pages * self._page_bytes)
         with request_context(hold.request_id):
             try:
                 self._agent.revoke(transfer_id)

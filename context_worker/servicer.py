@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import NoReturn
 
 import grpc
 
@@ -46,8 +48,33 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
     def _prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrefillResponse:
+        """Every call is counted once in beamsplit_requests_total: ok when the handoff goes out,
+        else the status it ended with (a refusal included)."""
+        outcome = "error"
+
+        def abort(code: grpc.StatusCode, message: str) -> NoReturn:
+            nonlocal outcome
+            outcome = code.name.lower()
+            context.abort(code, message)
+            raise AssertionError("abort raises")
+
+        self._metrics.requests_in_flight.inc()
+        try:
+            response = self._prefill_or_abort(request, context, abort)
+            outcome = "ok"
+            return response
+        finally:
+            self._metrics.count_request(outcome)
+            self._metrics.requests_in_flight.dec()
+
+    def _prefill_or_abort(
+        self,
+        request: worker_pb2.PrefillRequest,
+        context: grpc.ServicerContext,
+        abort: Callable[[grpc.StatusCode, str], NoReturn],
+    ) -> worker_pb2.PrefillResponse:
         if not self._gate.enter():
-            context.abort(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+            abort(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         try:
             self._check_prefill(request)
             held = self._service.prefill(
@@ -60,26 +87,26 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
                 is_caller_gone=lambda: not context.is_active() or self._gate.is_aborting,
             )
         except ValueError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"context worker: {error}")
+            abort(grpc.StatusCode.INVALID_ARGUMENT, f"context worker: {error}")
         except EngineLoopError as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"context worker: {error}")
+            abort(grpc.StatusCode.UNAVAILABLE, f"context worker: {error}")
         except MemoryError as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context worker: {error}")
+            abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context worker: {error}")
         except (AdmissionRefusedError, OutOfBlocksError) as error:  # a full queue or a pool too small
             logger.info("refused: %s", error)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context worker: {error}")
+            abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context worker: {error}")
         except ServiceError as error:
-            context.abort(error.code, error.message)
+            abort(error.code, error.message)
         except Exception as error:
             logger.exception("prefill %s failed", request.request_id)
             code = _status_for(error)
-            context.abort(code, f"context worker: prefill failed: {type(error).__name__}: {error}")
+            abort(code, f"context worker: prefill failed: {type(error).__name__}: {error}")
         finally:
             self._gate.exit()
         if not context.is_active():
             # The caller gave up (deadline, cancel) while we prefilled: nobody will pull or release.
             self._service.release(held.transfer_id, "caller gone before the handoff")
-            context.abort(grpc.StatusCode.CANCELLED, "context worker: caller gone before the handoff")
+            abort(grpc.StatusCode.CANCELLED, "context worker: caller gone before the handoff")
         handoff = worker_pb2.Handoff(
             request_id=held.request_id,
             attempt=held.attempt,

@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         metrics,
         "coordinator",
         max_body_mb=args.http_max_body_mb,
+        unready_reason=lambda: unready_reason(context_pool, generation_pool),
     )
     http_server = start_http_front(front, args.host, args.http_port, tls, auth_token)
     metrics.serve(args.metrics_port, args.host)
@@ -125,3 +126,11 @@ def run(args: argparse.Namespace) -> int:
         metrics.close()
 
     return run_until_signalled(server, cleanup, args.shutdown_grace_s)
+
+
+def unready_reason(context_pool: WorkerPool, generation_pool: WorkerPool) -> str | None:
+    """Why no request can be served now: a kind of worker with none healthy (None: all is well)."""
+    for pool in (context_pool, generation_pool):
+        if pool.num_healthy() == 0:
+            return f"no healthy {pool.kind} worker"
+    return None

@@ -19,9 +19,17 @@
 #   BASE_PORT         coordinator BASE_PORT, context +1, generation +2 [50050]
 #   COORDINATOR_PORT, CONTEXT_PORT, GENERATION_PORT           override one port each
 #   METRICS_BASE_PORT /metrics of coordinator, context, generation on +0, +1, +2 [9100]
+#   HTTP_PORT         the coordinator's OpenAI-compatible HTTP front (/v1/completions, /health,
+#                     /tokenize, /metrics ...); 0: none [8000]
 #   AGGREGATED_PORT   when set, also start an aggregated server (the parity reference) on that
 #                     port, on the context worker's device, metrics on METRICS_BASE_PORT + 3
-#   NUM_BLOCKS [4096]  TOKENS_PER_BLOCK [32]  LOG_DIR [./logs]
+#   KV pool per engine, one of (sized from memory, never a fixed block count by default):
+#     KV_CACHE_FRACTION  of the device's free memory at start, weights included [0.7 on GPUs;
+#                        0.35 each for the context worker and the aggregated server sharing GPU 0]
+#     KV_CACHE_GIB       a budget in GiB [1 on cpu, where the engines share the host's memory]
+#     NUM_BLOCKS         exactly this many blocks
+#   Each engine's "serving on" line says the blocks and bytes it chose.
+#   TOKENS_PER_BLOCK [32]  LOG_DIR [./logs]
 #   READY_TIMEOUT_S   bound on waiting for all to serve (model loading included) [600]
 #   STOP_TIMEOUT_S    bound on each server's drain after SIGTERM before SIGKILL [30]
 #   BEAMSPLIT         the command to run [.venv/bin/beamsplit, else beamsplit on PATH];
@@ -49,7 +57,10 @@ CONTEXT_PORT=${CONTEXT_PORT:-$((BASE_PORT + 1))}
 GENERATION_PORT=${GENERATION_PORT:-$((BASE_PORT + 2))}
 METRICS_BASE_PORT=${METRICS_BASE_PORT:-9100}
 AGGREGATED_PORT=${AGGREGATED_PORT:-}
-NUM_BLOCKS=${NUM_BLOCKS:-4096}
+HTTP_PORT=${HTTP_PORT:-8000}
+NUM_BLOCKS=${NUM_BLOCKS:-}
+KV_CACHE_GIB=${KV_CACHE_GIB:-}
+KV_CACHE_FRACTION=${KV_CACHE_FRACTION:-}
 TOKENS_PER_BLOCK=${TOKENS_PER_BLOCK:-32}
 LOG_DIR=${LOG_DIR:-logs}
 READY_TIMEOUT_S=${READY_TIMEOUT_S:-600}
@@ -60,8 +71,23 @@ fi
 read -r -a BEAMSPLIT_CMD <<<"$BEAMSPLIT"
 mkdir -p "$LOG_DIR"
 
-ENGINE_FLAGS=(--model "$MODEL" --dtype "$DTYPE" --num-blocks "$NUM_BLOCKS"
-              --tokens-per-block "$TOKENS_PER_BLOCK" --host "$HOST")
+# How each engine sizes its KV pool; the context worker and an aggregated server share GPU 0.
+if [[ -n $NUM_BLOCKS ]]; then
+  POOL_FLAGS=(--num-blocks "$NUM_BLOCKS") SHARED_POOL_FLAGS=(--num-blocks "$NUM_BLOCKS")
+elif [[ -n $KV_CACHE_GIB ]]; then
+  POOL_FLAGS=(--kv-cache-gib "$KV_CACHE_GIB") SHARED_POOL_FLAGS=(--kv-cache-gib "$KV_CACHE_GIB")
+elif [[ -n $KV_CACHE_FRACTION ]]; then
+  POOL_FLAGS=(--kv-cache-fraction "$KV_CACHE_FRACTION") SHARED_POOL_FLAGS=(--kv-cache-fraction "$KV_CACHE_FRACTION")
+elif [[ $DEVICE == cpu ]]; then
+  POOL_FLAGS=(--kv-cache-gib 1) SHARED_POOL_FLAGS=(--kv-cache-gib 1)
+else
+  POOL_FLAGS=(--kv-cache-fraction 0.7) SHARED_POOL_FLAGS=(--kv-cache-fraction 0.7)
+  [[ -z $AGGREGATED_PORT ]] || SHARED_POOL_FLAGS=(--kv-cache-fraction 0.35)
+fi
+ENGINE_FLAGS=(--model "$MODEL" --dtype "$DTYPE" --tokens-per-block "$TOKENS_PER_BLOCK" --host "$HOST")
+# On cpu both workers compute on this host's cores: the thread layout for sharing them.
+WORKER_FLAGS=()
+[[ $DEVICE != cpu ]] || WORKER_FLAGS=(--shares-cores)
 
 NAMES=()   # parallel arrays: server name, pid
 PIDS=()
@@ -123,16 +149,16 @@ fail() {  # fail NAME MESSAGE: the server's log tail, stop everything, exit 1
   exit 1
 }
 
-start context context "${ENGINE_FLAGS[@]}" --device "$CONTEXT_DEVICE" \
-  --port "$CONTEXT_PORT" --metrics-port "$((METRICS_BASE_PORT + 1))"
-start generation generation "${ENGINE_FLAGS[@]}" --device "$GENERATION_DEVICE" \
-  --port "$GENERATION_PORT" --metrics-port "$((METRICS_BASE_PORT + 2))"
+start context context "${ENGINE_FLAGS[@]}" "${SHARED_POOL_FLAGS[@]}" "${WORKER_FLAGS[@]}" \
+  --device "$CONTEXT_DEVICE" --port "$CONTEXT_PORT" --metrics-port "$((METRICS_BASE_PORT + 1))"
+start generation generation "${ENGINE_FLAGS[@]}" "${POOL_FLAGS[@]}" "${WORKER_FLAGS[@]}" \
+  --device "$GENERATION_DEVICE" --port "$GENERATION_PORT" --metrics-port "$((METRICS_BASE_PORT + 2))"
 # The coordinator waits (bounded) for both workers to describe themselves before it serves.
 CUDA_VISIBLE_DEVICES= start coordinator coordinator --host "$HOST" --port "$COORDINATOR_PORT" \
   --metrics-port "$METRICS_BASE_PORT" --context "$HOST:$CONTEXT_PORT" \
-  --generation "$HOST:$GENERATION_PORT" --wait-for-workers-s "$READY_TIMEOUT_S"
+  --generation "$HOST:$GENERATION_PORT" --wait-for-workers-s "$READY_TIMEOUT_S" --http-port "$HTTP_PORT"
 if [[ -n $AGGREGATED_PORT ]]; then
-  start aggregated aggregated "${ENGINE_FLAGS[@]}" --device "$CONTEXT_DEVICE" \
+  start aggregated aggregated "${ENGINE_FLAGS[@]}" "${SHARED_POOL_FLAGS[@]}" --device "$CONTEXT_DEVICE" \
     --port "$AGGREGATED_PORT" --metrics-port "$((METRICS_BASE_PORT + 3))"
 fi
 
@@ -151,6 +177,13 @@ echo "beamsplit is serving: send requests to the coordinator at $HOST:$COORDINAT
 echo "  context worker    $HOST:$CONTEXT_PORT on $CONTEXT_DEVICE, metrics http://$HOST:$((METRICS_BASE_PORT + 1))/metrics"
 echo "  generation worker $HOST:$GENERATION_PORT on $GENERATION_DEVICE, metrics http://$HOST:$((METRICS_BASE_PORT + 2))/metrics"
 echo "  coordinator       $HOST:$COORDINATOR_PORT, metrics http://$HOST:$METRICS_BASE_PORT/metrics"
+if [[ $HTTP_PORT != 0 ]]; then
+  echo "  HTTP front        http://$HOST:$HTTP_PORT/v1 (OpenAI API; /health, /tokenize, /metrics on the same port)"
+fi
+for name in context generation aggregated; do
+  pool=$(grep -ho 'KV pool .*' "$LOG_DIR/$name.log" 2>/dev/null | tail -n 1 || true)
+  [[ -z $pool ]] || echo "  $name: $pool"
+done
 [[ -z $AGGREGATED_PORT ]] || echo "  aggregated (reference) $HOST:$AGGREGATED_PORT on $CONTEXT_DEVICE"
 echo "  try: ${BEAMSPLIT_CMD[*]} generate --target $HOST:$COORDINATOR_PORT --prompt 'hello' --beam-width 4"
 pids=()

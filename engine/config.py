@@ -22,6 +22,9 @@ class CacheConfig:
     # When set, the engine lowers num_blocks to what fits in this many bytes once the model (and so
     # the page size) is known: a real model's 2048 pages can be gigabytes.
     max_pool_bytes: int | None = None
+    # The servers' default: the pool is exactly what max_pool_bytes holds (num_blocks is ignored),
+    # so a budget, not a block count, decides the pool's memory whatever the model's page size.
+    is_sized_by_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_block not in SUPPORTED_BLOCK_SIZES:
@@ -32,12 +35,18 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_pool_bytes is not None and self.max_pool_bytes < 1:
             raise ValueError(f"max_pool_bytes must be >= 1, got {self.max_pool_bytes}")
+        if self.is_sized_by_memory and self.max_pool_bytes is None:
+            raise ValueError("is_sized_by_memory needs max_pool_bytes")
 
     def fitted_to(self, page_bytes: int) -> CacheConfig:
-        """This config with num_blocks lowered to fit max_pool_bytes (at least one block)."""
+        """This config with num_blocks lowered to fit max_pool_bytes (at least one block), or set to
+        what it holds when sized by memory."""
         if self.max_pool_bytes is None:
             return self
-        return replace(self, num_blocks=max(1, min(self.num_blocks, self.max_pool_bytes // page_bytes)))
+        num_fitting = max(1, self.max_pool_bytes // page_bytes)
+        return replace(
+            self, num_blocks=num_fitting if self.is_sized_by_memory else min(self.num_blocks, num_fitting)
+        )
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)

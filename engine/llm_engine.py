@@ -54,12 +54,13 @@ class LLMEngine(ContextSide):
         # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
         page_bytes += StatePool.state_bytes_for(self.model_config, model.dtype)
         cache_config = config.cache.fitted_to(page_bytes)
-        if cache_config.num_blocks != config.cache.num_blocks:
+        if cache_config.num_blocks != config.cache.num_blocks and not config.cache.is_sized_by_memory:
             logger.info(
                 "KV pool: %d blocks of %.2f MiB fit in max_pool_bytes %d (asked for %d)",
                 cache_config.num_blocks, page_bytes / 2**20, config.cache.max_pool_bytes, config.cache.num_blocks,
             )  # fmt: skip
         self.config = replace(config, cache=cache_config)  # the pool size found at run time
+        self.page_bytes = page_bytes  # one block of every layer (and its state snapshot, hybrids)
         self.cache_config = cache_config
         self.kv_pool = KVPool(self.model_config, cache_config, model.dtype, config.device)
         self.kv_cache = KVCacheManager(cache_config, has_recurrent_state=self.model_config.is_hybrid)

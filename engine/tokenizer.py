@@ -30,9 +30,13 @@ class Tokenizer(Protocol):
     @property
     def chat_template(self) -> ChatTemplate | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary's spelling of one id (byte-level BPE: GPT-2's byte alphabet)."""
+        ...
 
 
 class ByteTokenizer:
@@ -44,6 +48,9 @@ class ByteTokenizer:
     PAD_TOKEN_ID = 258
     UNK_TOKEN_ID = 259
     VOCAB_SIZE = 260
+    # ids 256.. in this order; spelled so that no ordinary text holds them (an exported tokenizer
+    # matches added tokens in text, ByteTokenizer never does)
+    SPECIAL_TOKENS = ("<|tiny_bos|>", "<|tiny_eos|>", "<|tiny_pad|>", "<|tiny_unk|>")
 
     @property
     def vocab_size(self) -> int:
@@ -61,9 +68,14 @@ class ByteTokenizer:
     def chat_template(self) -> ChatTemplate | None:
         return None
 
-    def encode(self, text: str) -> list[int]:
-        # No BOS is added: encode/decode round-trips, and callers that want one prepend it.
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # No BOS is added either way: encode/decode round-trips, and callers that want one prepend it.
         return list(text.encode("utf-8"))
+
+    def id_to_token(self, token_id: int) -> str:
+        if token_id < self.NUM_BYTES:
+            return byte_alphabet()[token_id]
+        return self.SPECIAL_TOKENS[token_id - self.NUM_BYTES]
 
     def decode(self, token_ids: list[int]) -> str:
         data = bytes(token_id for token_id in token_ids if 0 <= token_id < self.NUM_BYTES)
@@ -111,15 +123,39 @@ class HFTokenizer:
     def chat_template(self) -> ChatTemplate | None:
         return self._chat_template
 
-    def encode(self, text: str) -> list[int]:
-        token_ids = list(self._tokenizer.encode(text).ids)
-        if self._add_bos_token and token_ids[:1] != [self._bos_token_id]:
+    @property
+    def raw(self) -> RawTokenizer:
+        """The `tokenizers` object (what `beamsplit model export` saves as tokenizer.json)."""
+        return self._tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        token_ids = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        if add_special_tokens and self._add_bos_token and token_ids[:1] != [self._bos_token_id]:
             assert self._bos_token_id is not None
             token_ids.insert(0, self._bos_token_id)
         return token_ids
 
+    def id_to_token(self, token_id: int) -> str:
+        return str(self._tokenizer.id_to_token(token_id))
+
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map that byte-level vocabularies are spelled in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    alphabet = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in alphabet:
+            alphabet[byte] = chr(256 + extra)
+            extra += 1
+    return alphabet
 
 
 def load_tokenizer(model_dir: str | Path, bos_token_id: int | None, eos_token_id: int | None) -> Tokenizer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.cli.engine_args import describe_kv_pool, engine_config_from_args
 from beamsplit.server.admission_queue import AdmissionLimits
 from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
@@ -84,7 +84,16 @@ def run(args: argparse.Namespace) -> int:
     server.set_serving([SERVICE_NAME])
     watchdog = TransferWatchdog(server, agent, [SERVICE_NAME], args.transfer_watchdog_s).start()
     install_fault_hooks(agent, hooks)
-    announce("generation", server, args.host, args.metrics_port, describe_transfer_agent(agent))
+    announce(
+        "generation",
+        server,
+        args.host,
+        args.metrics_port,
+        f"{describe_transfer_agent(agent)}; "
+        + describe_kv_pool(
+            handle.engine.cache_config.num_blocks, handle.engine.page_bytes, handle.engine.cache_config
+        ),
+    )
 
     def cleanup() -> None:
         watchdog.stop()

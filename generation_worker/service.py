@@ -30,7 +30,7 @@ from beamsplit.server.engine_loop import EngineLoop, follow_stream
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import worker_pb2
-from beamsplit.wire import ServiceError
+from beamsplit.wire import PULLED_REASON, ServiceError
 from engine.block_allocator import OutOfBlocksError, PoolTooSmallError
 from engine.config import SamplingParams
 from engine.types import PromptReservation, RequestOutput
@@ -128,7 +128,7 @@ class GenerationService:
         try:
             reservation = self._reserve(engine_request_id, handoff, prompt_ids, params, salt, stop_reason)
             pull = self._pull(handoff, reservation, stop_reason)
-            self._context_client.release(handoff.context_address, handoff.transfer_id, "pulled")
+            self._context_client.release(handoff.context_address, handoff.transfer_id, PULLED_REASON)
             is_released = True
             self._loop.call(
                 lambda engine: engine.add_prefilled_request(

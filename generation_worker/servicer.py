@@ -97,15 +97,22 @@ class GenerationWorkerServicer(worker_pb2_grpc.GenerationWorkerServicer):
             finally:
                 outputs.close()  # runs the service's cleanup now, not whenever the generator is collected
         except RequestValidationError as error:
+            outcome = "invalid_argument"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except ServiceError as error:
             outcome = error.code.name.lower()
             logger.info("failed: %s %s", error.code.name, error.message)
             context.abort(error.code, error.message)
         except RequestDroppedError as error:
+            outcome = "resource_exhausted"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"generation worker: {error}")
         except EngineLoopError as error:
+            outcome = "unavailable"
             context.abort(grpc.StatusCode.UNAVAILABLE, f"generation worker: {error}")
+        except GeneratorExit:  # the caller went away mid-stream (a cancel): gRPC closed this generator
+            if outcome != "ok":
+                outcome = "cancelled"
+            raise
         except Exception as error:
             if "OutOfBlocks" in type(error).__name__:  # the pool cannot take it: expected, no trace
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -151,6 +151,7 @@ class UcxxBinding(UcxBinding):
     name = "ucxx"
 
     def __init__(self, net_devices: str | None = None, requested_transports: str | None = None) -> None:
+        _import_binding("ucxx")
         from ucxx._lib import libucxx
         from ucxx._lib.arr import Array
 
@@ -209,6 +210,7 @@ class UcpBinding(UcxBinding):
     name = "ucp"
 
     def __init__(self, net_devices: str | None = None, requested_transports: str | None = None) -> None:
+        _import_binding("ucp")
         from ucp._libs import ucx_api
         from ucp._libs.arr import Array
 
@@ -339,6 +341,22 @@ class UcxRequests:
             if error is not None and self.error is None:
                 self.error = error
         return True
+
+
+MEMTYPE_CACHE_ENV = "UCX_MEMTYPE_CACHE"
+
+
+def _import_binding(name: str) -> None:
+    """Imports the binding's package without the variable it plants in our environment.
+
+    ucxx (and ucx-py) set UCX_MEMTYPE_CACHE=n on import, for a CUDA issue of UCX releases before
+    1.12; the UCX they ship no longer has that setting, so every context creation then printed
+    "UCX WARN unused environment variable: UCX_MEMTYPE_CACHE" in every worker's log. A value the
+    user set is left alone (a warning they caused)."""
+    was_set = MEMTYPE_CACHE_ENV in os.environ
+    importlib.import_module(name)
+    if not was_set:
+        os.environ.pop(MEMTYPE_CACHE_ENV, None)
 
 
 BINDING_ENV = "BEAMSPLIT_UCX_BINDING"

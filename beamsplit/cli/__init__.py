@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_generate(subparsers)
-    for module_name in ("serve", "demo", "bench", "status"):
+    for module_name in ("serve", "demo", "bench", "status", "model"):
         _add_optional(subparsers, module_name)
     return parser
 

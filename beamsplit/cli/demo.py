@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "smollm2-135m"
 BLOCK_SIZE = 32
+DEMO_KV_CACHE_GIB = 0.125  # per engine: 44 pages of SmolLM2 in float64, 4096 of tiny
 MAX_SCORE_DIFFERENCE = 1e-9  # float64: beams must agree far below any score gap
 SHOWN_STATS = (
     "prompt_tokens", "context_reused_tokens", "generation_reused_tokens", "transferred_blocks",
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="beamsplit-demo-"))
     engine_arguments = [
-        "--model", args.model, "--dtype", args.dtype, "--tokens-per-block", str(BLOCK_SIZE), "--num-blocks", "128",
+        "--model", args.model, "--dtype", args.dtype, "--tokens-per-block", str(BLOCK_SIZE),
+        "--kv-cache-gib", str(DEMO_KV_CACHE_GIB),  # each engine's pool: a memory budget, not a block count
         "--batch-invariant",  # each case's two runs go at once: exact whatever shares the batch
     ]  # fmt: skip
     _say(f"model {args.model}, {args.dtype}; server logs in {log_dir}")

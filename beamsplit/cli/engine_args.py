@@ -9,7 +9,10 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine import EngineConfig
+    from engine import CacheConfig, EngineConfig
+
+DEFAULT_KV_CACHE_GIB = 1.0
+MAX_KV_CACHE_FRACTION = 0.95  # the rest for activations, the allocator's slack, other processes
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -36,13 +39,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         "--num-blocks",
         type=int,
         default=None,
-        help="KV pool size in blocks, exactly (default: 2048, or fewer to fit --kv-cache-gib)",
+        help="KV pool size in blocks, exactly (default: sized from a memory budget, below)",
     )
     group.add_argument(
         "--kv-cache-gib",
         type=float,
-        default=1.0,
-        help="KV pool memory bound when --num-blocks is not given (default: 1.0 GiB)",
+        default=None,
+        help=f"KV pool memory budget in GiB: as many blocks as fit (default: {DEFAULT_KV_CACHE_GIB:g} "
+        "unless --kv-cache-fraction or --num-blocks is given)",
+    )
+    group.add_argument(
+        "--kv-cache-fraction",
+        type=float,
+        default=None,
+        help="KV pool memory budget as a fraction of the device's free memory at start (0 < F <= 0.95; "
+        "a GPU's free memory, or the host's available memory on cpu)",
     )
     group.add_argument(
         "--batch-invariant",
@@ -67,9 +78,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     # Servers add --max-num-seqs, --max-num-batched-tokens and an engine --seed; the offline
     # command keeps the defaults.
-    is_auto_sized = args.num_blocks is None
-    if is_auto_sized and not args.kv_cache_gib > 0:
-        raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+    max_pool_bytes = kv_pool_budget_bytes(args)
     extra = (
         {
             "max_num_seqs": args.max_num_seqs,
@@ -86,10 +95,65 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         batch_invariant=args.batch_invariant,
         cache=CacheConfig(
             tokens_per_block=args.tokens_per_block,
-            num_blocks=CacheConfig.num_blocks if is_auto_sized else args.num_blocks,
-            max_pool_bytes=int(args.kv_cache_gib * 2**30) if is_auto_sized else None,
+            num_blocks=CacheConfig.num_blocks if args.num_blocks is None else args.num_blocks,
+            max_pool_bytes=max_pool_bytes,
+            is_sized_by_memory=max_pool_bytes is not None,
             enable_partial_reuse=args.enable_partial_reuse,
             enable_partial_commit=args.enable_partial_commit,
         ),
         **extra,
     )
+
+
+def kv_pool_budget_bytes(args: argparse.Namespace) -> int | None:
+    """The KV pool's memory budget (None: --num-blocks fixes the pool). At most one of the three
+    flags; none: DEFAULT_KV_CACHE_GIB."""
+    given = [
+        name
+        for name, value in (
+            ("--num-blocks", args.num_blocks),
+            ("--kv-cache-gib", args.kv_cache_gib),
+            ("--kv-cache-fraction", args.kv_cache_fraction),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give one way to size the KV pool")
+    if args.num_blocks is not None:
+        return None
+    if args.kv_cache_fraction is not None:
+        if not 0.0 < args.kv_cache_fraction <= MAX_KV_CACHE_FRACTION:
+            raise ValueError(
+                f"--kv-cache-fraction must be in (0, {MAX_KV_CACHE_FRACTION}], got {args.kv_cache_fraction}"
+            )
+        return max(1, int(args.kv_cache_fraction * free_memory_bytes(args.device)))
+    gib = DEFAULT_KV_CACHE_GIB if args.kv_cache_gib is None else args.kv_cache_gib
+    if not gib > 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {gib}")
+    return int(gib * 2**30)
+
+
+def free_memory_bytes(device: str) -> int:
+    """Free memory where the pool will live: the GPU's (cudaMemGetInfo) or the host's MemAvailable."""
+    import torch
+
+    parsed = torch.device(device)
+    if parsed.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(parsed)
+        return int(free)
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable: give --kv-cache-gib instead of --kv-cache-fraction")
+
+
+def describe_kv_pool(num_blocks: int, page_bytes: int, config: CacheConfig) -> str:
+    """For the start-up line: the blocks and bytes chosen, and from what."""
+    total = num_blocks * page_bytes
+    if config.is_sized_by_memory:
+        assert config.max_pool_bytes is not None
+        source = f"budget {config.max_pool_bytes / 2**30:.3g} GiB"
+    else:
+        source = "--num-blocks"
+    return f"KV pool {num_blocks} blocks x {page_bytes} B = {total / 2**20:.1f} MiB ({source})"

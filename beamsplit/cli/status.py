@@ -78,6 +78,7 @@ def format_status(target: str, status: coordinator_pb2.StatusResponse) -> str:
     num_healthy = sum(1 for worker in status.workers if worker.healthy)
     lines = [
         f"{status.role} {target}: {status.requests_in_flight} in flight, {status.requests_ok} ok, "
+        f"{status.requests_refused} refused (400/429), {status.requests_cancelled} cancelled, "
         f"{status.requests_failed} failed; {num_healthy}/{len(status.workers)} workers healthy",
     ]
     model = next((worker.info for worker in status.workers if worker.HasField("info")), None)

@@ -24,6 +24,11 @@ from beamsplit.server.tls import TlsConfig
 
 HOST = "127.0.0.1"  # the servers' default --host, which the launcher relies on rather than passes
 WORKER_ROLES = ("context", "generation")
+ENGINE_ROLES = ("context", "generation", "aggregated")
+POOL_SIZING_FLAGS = ("--num-blocks", "--kv-cache-gib", "--kv-cache-fraction")
+# Each engine's KV pool budget when its arguments do not size the pool: every process here shares
+# this host's memory, so a small budget each (the tiny test model: 2048 pages in float64).
+DEFAULT_LAUNCH_KV_CACHE_GIB = 0.0625
 
 
 class PortPicker:
@@ -149,6 +154,8 @@ class ProcessGroup:
     # layout for computing side by side, docs/service.md "The engine thread"). False where they
     # never compute at the same time (one request at a time, bench/service.py).
     workers_share_cores: bool = True
+    # GiB per engine process, given as --kv-cache-gib unless its arguments size the pool themselves.
+    kv_cache_gib: float = DEFAULT_LAUNCH_KV_CACHE_GIB
 
     def start(
         self,
@@ -158,8 +165,10 @@ class ProcessGroup:
         env: dict[str, str] | None = None,
         http: bool = False,
         same_ports_as: ServerProcess | None = None,
+        http_port: int = 0,
     ) -> ServerProcess:
-        """`http`: also serve the OpenAI-compatible front (coordinator and aggregated only).
+        """`http`: also serve the OpenAI-compatible front (coordinator and aggregated only), on
+        `http_port` when given, else on a free port.
         `same_ports_as`: a stopped server this one replaces, on its ports (peers keep its address)."""
         if same_ports_as is not None:
             assert not same_ports_as.is_alive(), f"{same_ports_as.name} still runs"
@@ -167,7 +176,7 @@ class ProcessGroup:
             http_port = same_ports_as.http_port
         else:
             port, metrics_port = self.ports.pick(), self.ports.pick()
-            http_port = self.ports.pick() if http else 0
+            http_port = http_port or (self.ports.pick() if http else 0)
         http = http_port != 0
         http_arguments = ["--http-port", str(http_port)] if http else []
         command = [
@@ -178,6 +187,8 @@ class ProcessGroup:
         ]  # fmt: skip
         if role in WORKER_ROLES and self.workers_share_cores:
             command.append("--shares-cores")
+        if role in ENGINE_ROLES and not any(flag in arguments for flag in POOL_SIZING_FLAGS):
+            command += ["--kv-cache-gib", str(self.kv_cache_gib)]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         if same_ports_as is not None:

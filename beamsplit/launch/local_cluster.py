@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from beamsplit.launch.launcher import ProcessGroup, ServerProcess
+from beamsplit.launch.launcher import DEFAULT_LAUNCH_KV_CACHE_GIB, ProcessGroup, ServerProcess
 from beamsplit.server.tls import TlsConfig
 
 DEFAULT_ENGINE_ARGUMENTS = ("--model", "tiny", "--dtype", "float64", "--tokens-per-block", "32")
@@ -48,16 +48,23 @@ def start_local_cluster(
     http: bool = False,
     client_tls: TlsConfig | None = None,
     workers_share_cores: bool = True,
+    http_port: int = 0,
+    kv_cache_gib: float = DEFAULT_LAUNCH_KV_CACHE_GIB,
 ) -> LocalCluster:
     """Starts all four at once (they load the model in parallel) and waits for each to be healthy.
 
     `http`: the coordinator and the aggregated server also serve the OpenAI-compatible front
     (`ServerProcess.http_url`). `client_tls`: how the health waits reach servers started with TLS.
     `workers_share_cores`: ProcessGroup's (False only where the workers never compute at once).
+    `http_port`: the coordinator's HTTP front on this port (implies `http`; 0: a free one).
+    `kv_cache_gib`: each engine's KV pool budget unless its arguments size the pool.
 
     On any failure every process already started is stopped before the error propagates.
     """
-    group = ProcessGroup(log_dir, tls=client_tls, workers_share_cores=workers_share_cores)
+    group = ProcessGroup(
+        log_dir, tls=client_tls, workers_share_cores=workers_share_cores, kv_cache_gib=kv_cache_gib
+    )
+    http = http or http_port != 0
     try:
         started = time.monotonic()
         context = group.start("context", "context", [*engine_arguments, *context_arguments])
@@ -70,6 +77,7 @@ def start_local_cluster(
             "coordinator",
             ["--context", context.address, "--generation", generation.address, *coordinator_arguments],
             http=http,
+            http_port=http_port,
         )
         for server in (context, generation, aggregated, coordinator):
             progress(f"starting {server.name:<11} pid {server.pid:<7} on {server.address} ...")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from beamsplit.cli.engine_args import engine_config_from_args
+from beamsplit.cli.engine_args import describe_kv_pool, engine_config_from_args
 from beamsplit.cli.security_args import load_token
 from beamsplit.server.aggregated import AggregatedService
 from beamsplit.server.client_api_servicer import ClientApiServicer
@@ -77,7 +77,16 @@ def run(args: argparse.Namespace) -> int:
     metrics.serve(args.metrics_port, args.host)
     server.set_serving([SERVICE_NAME])
     http = f", http http://{args.host}:{http_server.port}/v1" if http_server else ""
-    announce("aggregated", server, args.host, args.metrics_port, http)
+    announce(
+        "aggregated",
+        server,
+        args.host,
+        args.metrics_port,
+        f"{http}; "
+        + describe_kv_pool(
+            handle.engine.cache_config.num_blocks, handle.engine.page_bytes, handle.engine.cache_config
+        ),
+    )
 
     def cleanup() -> None:
         try:

@@ -128,6 +128,10 @@ def instrumented_responses(
             outcome = error.code.name.lower()
         logger.info("failed: %s %s", error.code.name, error.message)
         raise
+    except GeneratorExit:  # the client went away between two responses: gRPC closed this generator
+        if outcome != "ok":
+            outcome = "cancelled"
+        raise
     except Exception as error:
         logger.exception("request failed")
         raise ServiceError(grpc.StatusCode.INTERNAL, f"{role}: {type(error).__name__}: {error}") from error

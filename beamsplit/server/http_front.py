@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP front: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+"""The OpenAI-compatible HTTP front: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, and
+what tools look for beside them on the same port: `/health`, `/tokenize`, `/detokenize`, `/metrics`.
 
 A thin adapter over the same backend the gRPC servicer calls (`CoordinatorService` or
 `AggregatedService`): the JSON becomes a `GenerateRequest` (`openai_wire`), the backend validates
@@ -16,7 +17,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from beamsplit.server.backend_call import BackendCall
@@ -47,6 +49,7 @@ from beamsplit.server.openai_wire import (
 )
 from beamsplit.server.server_common import ShutdownGate
 from beamsplit.server.tls import TlsConfig
+from beamsplit.server.tokenize_api import detokenize, tokenize
 from beamsplit.v1 import common_pb2
 from beamsplit.wire import ServiceError
 from engine.tokenizer import Tokenizer
@@ -73,7 +76,10 @@ class OpenAIFront:
         role: str,
         max_in_flight: int = MAX_IN_FLIGHT,
         max_body_mb: float = DEFAULT_MAX_BODY_MB,
+        unready_reason: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """`unready_reason`: why the backend cannot serve now (the coordinator: no healthy worker of
+        a kind), None when it can; `/health` answers 503 with it."""
         self._backend = backend
         self._tokenizer = tokenizer
         self._model_name = model_name
@@ -84,10 +90,16 @@ class OpenAIFront:
         self._created = int(time.time())
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._max_body_bytes = int(max_body_mb * 1024 * 1024)
+        self._unready_reason = unready_reason
 
     def build_app(self) -> FastAPI:
         app = FastAPI(title="beamsplit", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_exception_handler(OpenAIRequestError, _request_error_response)  # type: ignore[arg-type]
@@ -97,14 +109,45 @@ class OpenAIFront:
         return app
 
     async def models(self) -> dict[str, Any]:
-        model = {
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> JSONResponse:
+        if model_id != self._model_name:
+            message = f"model {model_id!r} is not served here; this server serves {self._model_name!r}"
+            return JSONResponse(
+                error_body(message, "not_found_error", "model", "model_not_found"), status_code=404
+            )
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self._model_name,
             "object": "model",
             "created": self._created,
             "owned_by": "beamsplit",
             "max_model_len": self._max_model_len,
         }
-        return {"object": "list", "data": [model]}
+
+    async def health(self) -> JSONResponse:
+        """200 while serving; 503 once draining (SIGTERM) or while the backend cannot serve."""
+        reason = "draining: shutting down" if self._gate.is_draining else self._unready_reason()
+        if reason is not None:
+            return JSONResponse(
+                {"status": "unavailable", "reason": f"{self._role}: {reason}"}, status_code=503
+            )
+        return JSONResponse({"status": "serving"})
+
+    async def metrics(self) -> Response:
+        """The same registry the metrics port serves, so a tool given only this port finds it."""
+        return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        body = await _json_body(request, self._max_body_bytes)
+        return JSONResponse(tokenize(body, self._tokenizer, self._model_name, self._max_model_len))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        body = await _json_body(request, self._max_body_bytes)
+        return JSONResponse(detokenize(body, self._tokenizer, self._model_name))
 
     async def completions(self, request: Request) -> Response:
         parsed = parse_completion_request(await _json_body(request, self._max_body_bytes), self._model_name)

@@ -327,3 +327,17 @@ def _str(fields: dict[str, Any], name: str, default: str) -> str:
     if not isinstance(value, str):
         raise OpenAIRequestError(name, f"{name} must be a string, got {value!r}")
     return value
+
+
+def render_chat(messages: object, tokenizer: Tokenizer, model_name: str, add_generation_prompt: bool) -> str:
+    """`messages` through the model's chat template, as chat completions render them (for /tokenize)."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise OpenAIRequestError("messages", f"model {model_name!r} has no chat template")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIRequestError("messages", "messages must be a non-empty list of {role, content} objects")
+    rendered = [_chat_message(message, index) for index, message in enumerate(messages)]
+    try:
+        return template.render(rendered, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError as error:
+        raise OpenAIRequestError("messages", f"messages: {error}") from error

@@ -62,6 +62,12 @@ class ShutdownGate:
             return self._num_in_flight
 
     @property
+    def is_draining(self) -> bool:
+        """True from the start of `drain`: new calls are refused (and /health answers 503)."""
+        with self._condition:
+            return self._is_draining
+
+    @property
     def is_aborting(self) -> bool:
         """In-flight loops poll this and fail with UNAVAILABLE once it is set."""
         return self._is_aborting.is_set()

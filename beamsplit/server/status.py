@@ -25,6 +25,8 @@ def worker_load(metrics: ServerMetrics, num_requests: int) -> common_pb2.WorkerL
         beam_tail_copies=snapshot.beam_tail_copies,
         requests_ok=_num_ok(snapshot),
         requests_failed=_num_failed(snapshot),
+        requests_refused=_num_refused(snapshot),
+        requests_cancelled=_num_cancelled(snapshot),
     )
 
 
@@ -37,6 +39,8 @@ def server_status(
         requests_in_flight=num_in_flight,
         requests_ok=_num_ok(snapshot),
         requests_failed=_num_failed(snapshot),
+        requests_refused=_num_refused(snapshot),
+        requests_cancelled=_num_cancelled(snapshot),
         workers=workers,
     )
 
@@ -55,9 +59,24 @@ def self_status(
     return server_status(metrics, num_in_flight, [worker])
 
 
+# The client's doing, not a fault: a bad request (400) or a full server (429).
+REFUSED_OUTCOMES = frozenset({"invalid_argument", "resource_exhausted"})
+CANCELLED_OUTCOME = "cancelled"
+
+
 def _num_ok(snapshot: MetricsSnapshot) -> int:
     return snapshot.requests.get("ok", 0)
 
 
+def _num_refused(snapshot: MetricsSnapshot) -> int:
+    return sum(snapshot.requests.get(outcome, 0) for outcome in REFUSED_OUTCOMES)
+
+
+def _num_cancelled(snapshot: MetricsSnapshot) -> int:
+    return snapshot.requests.get(CANCELLED_OUTCOME, 0)
+
+
 def _num_failed(snapshot: MetricsSnapshot) -> int:
-    return sum(count for outcome, count in snapshot.requests.items() if outcome != "ok")
+    """Every other outcome: unavailable, aborted, deadline exceeded, internal errors."""
+    not_failed = REFUSED_OUTCOMES | {"ok", CANCELLED_OUTCOME}
+    return sum(count for outcome, count in snapshot.requests.items() if outcome not in not_failed)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from beamsplit.v1 import common_pb2 as beamsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65\x61msplit/v1/coordinator.proto\x12\x0c\x62\x65\x61msplit.v1\x1a\x19\x62\x65\x61msplit/v1/common.proto\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.beamsplit.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.beamsplit.v1.SamplingOptions\x12\x0c\n\x04salt\x18\x05 \x01(\x0c\x42\x08\n\x06prompt\"\x0f\n\rStatusRequest\"\x95\x01\n\x0eStatusResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\x05\x12\x13\n\x0brequests_ok\x18\x03 \x01(\x03\x12\x17\n\x0frequests_failed\x18\x04 \x01(\x03\x12+\n\x07workers\x18\x05 \x03(\x0b\x32\x1a.beamsplit.v1.WorkerStatus\"\x9e\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12&\n\x04info\x18\x05 \x01(\x0b\x32\x18.beamsplit.v1.WorkerInfo\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.beamsplit.v1.WorkerLoad2\xa2\x01\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.beamsplit.v1.GenerateRequest\x1a\x1e.beamsplit.v1.GenerateResponse0\x01\x12\x46\n\tGetStatus\x12\x1b.beamsplit.v1.StatusRequest\x1a\x1c.beamsplit.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65\x61msplit/v1/coordinator.proto\x12\x0c\x62\x65\x61msplit.v1\x1a\x19\x62\x65\x61msplit/v1/common.proto\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.beamsplit.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.beamsplit.v1.SamplingOptions\x12\x0c\n\x04salt\x18\x05 \x01(\x0c\x42\x08\n\x06prompt\"\x0f\n\rStatusRequest\"\xcb\x01\n\x0eStatusResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\x05\x12\x13\n\x0brequests_ok\x18\x03 \x01(\x03\x12\x17\n\x0frequests_failed\x18\x04 \x01(\x03\x12+\n\x07workers\x18\x05 \x03(\x0b\x32\x1a.beamsplit.v1.WorkerStatus\x12\x18\n\x10requests_refused\x18\x06 \x01(\x03\x12\x1a\n\x12requests_cancelled\x18\x07 \x01(\x03\"\x9e\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12&\n\x04info\x18\x05 \x01(\x0b\x32\x18.beamsplit.v1.WorkerInfo\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.beamsplit.v1.WorkerLoad2\xa2\x01\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.beamsplit.v1.GenerateRequest\x1a\x1e.beamsplit.v1.GenerateResponse0\x01\x12\x46\n\tGetStatus\x12\x1b.beamsplit.v1.StatusRequest\x1a\x1c.beamsplit.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=249
   _globals['_STATUSREQUEST']._serialized_end=264
   _globals['_STATUSRESPONSE']._serialized_start=267
-  _globals['_STATUSRESPONSE']._serialized_end=416
-  _globals['_WORKERSTATUS']._serialized_start=419
-  _globals['_WORKERSTATUS']._serialized_end=577
-  _globals['_COORDINATOR']._serialized_start=580
-  _globals['_COORDINATOR']._serialized_end=742
+  _globals['_STATUSRESPONSE']._serialized_end=470
+  _globals['_WORKERSTATUS']._serialized_start=473
+  _globals['_WORKERSTATUS']._serialized_end=631
+  _globals['_COORDINATOR']._serialized_start=634
+  _globals['_COORDINATOR']._serialized_end=796
 # @@protoc_insertion_point(module_scope)

@@ -26,18 +26,22 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "requests_in_flight", "requests_ok", "requests_failed", "workers")
+    __slots__ = ("role", "requests_in_flight", "requests_ok", "requests_failed", "workers", "requests_refused", "requests_cancelled")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_OK_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
     role: str
     requests_in_flight: int
     requests_ok: int
     requests_failed: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, role: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., requests_ok: _Optional[int] = ..., requests_failed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    requests_refused: int
+    requests_cancelled: int
+    def __init__(self, role: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., requests_ok: _Optional[int] = ..., requests_failed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., requests_refused: _Optional[int] = ..., requests_cancelled: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "role", "healthy", "detail", "info", "load")

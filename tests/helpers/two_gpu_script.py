@@ -73,6 +73,7 @@ def script_env(ports: PortPicker, log_dir: Path, **extra: str) -> dict[str, str]
         READY_TIMEOUT_S="150",
         STOP_TIMEOUT_S="30",
         NUM_BLOCKS="256",
+        HTTP_PORT=str(ports.pick()),
     )
     env.update(extra)
     return env
@@ -136,7 +137,7 @@ def running_script(tmp_path: Path, dtype: str = "float32", **extra_env: str) -> 
     started = Deployment(
         script=script,
         output_path=output_path,
-        ports={name: int(env[f"{name.upper()}_PORT"]) for name in ("coordinator", "aggregated")},
+        ports={name: int(env[f"{name.upper()}_PORT"]) for name in ("coordinator", "aggregated", "http")},
         metrics_ports={
             name: metrics_base + offset
             for offset, name in enumerate(("coordinator", "context", "generation", "aggregated"))
@@ -183,6 +184,13 @@ def check_parity_and_clean_stop(deployment: Deployment) -> None:
     assert f"send requests to the coordinator at {HOST}:{coordinator_port}" in deployment.output()[0]
     pids = deployment.pids()
     assert set(pids) == {"context", "generation", "coordinator", "aggregated"}
+    # The HTTP front is open, and every engine says the pool it chose (NUM_BLOCKS=256 here).
+    http = f"http://{HOST}:{deployment.ports['http']}"
+    assert f"HTTP front        {http}/v1" in "\n".join(deployment.output())
+    with urllib.request.urlopen(f"{http}/health", timeout=10.0) as health:
+        assert health.status == 200
+    for name in ("context", "generation", "aggregated"):
+        assert any(line.startswith(f"  {name}: KV pool 256 blocks x ") for line in deployment.output()), name
 
     requests = [
         build_request(token_ids=prompt_tokens(67, seed=1), sampling=_sampling(1)),
@@ -208,6 +216,8 @@ def check_parity_and_clean_stop(deployment: Deployment) -> None:
         time.sleep(0.1)
         blocks = deployment.blocks_in_use()
     assert blocks == {"context": 0, "generation": 0, "aggregated": 0}
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10.0) as page:  # the coordinator's registry
+        assert 'beamsplit_requests_total{outcome="ok"} 3.0' in page.read().decode()
 
     deployment.script.send_signal(signal.SIGINT)  # what Ctrl-C sends the script
     try:

@@ -101,6 +101,26 @@ def test_models(server: ServerProcess) -> None:
     assert models.data[0].owned_by == "beamsplit"
 
 
+def test_what_tools_look_for_on_the_same_port(server: ServerProcess) -> None:
+    """/health, /v1/models/{id}, /tokenize, /detokenize and /metrics beside the OpenAI routes."""
+    base = server.http_url.removesuffix("/v1")
+    assert httpx.get(f"{base}/health", timeout=10.0).json() == {"status": "serving"}
+    assert httpx.get(f"{server.http_url}/models/{MODEL}", timeout=10.0).json()["id"] == MODEL
+    missing = httpx.get(f"{server.http_url}/models/llama-70b", timeout=10.0)
+    assert missing.status_code == 404 and "'llama-70b'" in missing.json()["error"]["message"]
+    text = "count these tokens, with ünïcode"
+    counted = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": text}, timeout=10.0).json()
+    completion = client_of(server).completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0)
+    assert completion.usage is not None and counted["count"] == completion.usage.prompt_tokens
+    back = httpx.post(f"{base}/detokenize", json={"tokens": counted["tokens"]}, timeout=10.0).json()
+    assert back == {"prompt": text}
+    page = httpx.get(f"{base}/metrics", timeout=10.0).text  # the metrics port's registry, same numbers
+    ok = 'beamsplit_requests_total{outcome="ok"}'
+    assert requests_by_outcome(server, "ok") == float(
+        next(line for line in page.splitlines() if line.startswith(ok)).split()[-1]
+    )
+
+
 @pytest.mark.parametrize(("n", "best_of"), [(3, None), (2, 4)])
 def test_beam_search_equals_grpc(server: ServerProcess, n: int, best_of: int | None) -> None:
     token_ids = prompt_ids(40, seed=n)
@@ -493,3 +513,14 @@ def test_chat_renders_the_model_template(smollm2: ServerProcess) -> None:
         "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == chat.choices[0].message.content
     )
     assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def test_tokenize_counts_the_chat_prompt_as_chat_completions_do(smollm2: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    base = smollm2.http_url.removesuffix("/v1")
+    counted = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=30.0).json()
+    chat = client_of(smollm2).chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=1, temperature=0
+    )  # type: ignore[arg-type]
+    assert chat.usage is not None and counted["count"] == chat.usage.prompt_tokens
+    assert counted["max_model_len"] == 8192 and counted["token_strs"] is None

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from beamsplit.cli.status import fetch_status
 from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import HOST, PortPicker, ServerProcess
 from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
@@ -248,6 +249,116 @@ def test_every_log_line_of_a_request_carries_its_id(cluster: LocalCluster) -> No
                 assert "request_id=obs-log-1" in line, (server.name, line)
     # Lines outside any request (here: the coordinator's worker probes) say so.
     assert any("request_id=-: " in line for line in cluster.coordinator.log_path.read_text().splitlines())
+
+
+def counters(server: ServerProcess) -> dict[str, float]:
+    """Every request outcome and transfer counter of one process, flat: 'requests/ok', 'blocks', ..."""
+    text = server.metrics_text()
+    values = {
+        f"requests/{labels.split('=')[1].strip(chr(34))}": value
+        for labels, value in read_samples(text, "beamsplit_requests_total").items()
+    }
+    values |= {
+        f"transfer_failures/{labels.split('=')[1].strip(chr(34))}": value
+        for labels, value in read_samples(text, "beamsplit_transfer_failures_total").items()
+    }
+    values["blocks"] = read_samples(text, "beamsplit_transfer_blocks_total").get("", 0.0)
+    values["bytes"] = read_samples(text, "beamsplit_transfer_bytes_total").get("", 0.0)
+    return values
+
+
+def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        name: after.get(name, 0.0) - before.get(name, 0.0)
+        for name in after
+        if after.get(name, 0.0) != before.get(name, 0.0)
+    }
+
+
+def test_a_known_mix_moves_every_counter_on_every_process_by_its_share(cluster: LocalCluster) -> None:
+    """Two ok requests, one refusal, one cancel, one failed pull (a lapsed lease): each counted
+    once, on the process that did the work; 3 pages per 67-token prompt, pulled and served."""
+    before = {server.name: counters(server) for server in servers(cluster)}
+    status_before = fetch_status(cluster.coordinator.address, 10.0)
+    stats = [generate(cluster.coordinator.address, prompt(20 + index), beam_width=2) for index in range(2)]
+    assert [int(item["transferred_blocks"]) for item in stats] == [3, 3]  # new prompts: all 3 pages
+
+    with BeamsplitClient(cluster.coordinator.address) as client:  # refused: 400 over HTTP
+        sampling = common_pb2.SamplingOptions(beam_width=1, max_new_tokens=100_000)
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(build_request(token_ids=prompt(22), sampling=sampling))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # cancelled after its first delta, when its 3 pages have moved
+        sampling = common_pb2.SamplingOptions(beam_width=1, max_new_tokens=2000)
+        call = client.stream(build_request(token_ids=prompt(23), sampling=sampling))
+        assert next(iter(call)).HasField("delta")
+        call.cancel()  # type: ignore[attr-defined]
+
+    token_ids = prompt(24)  # failed: the lease lapses before the generation worker pulls
+    with grpc.insecure_channel(cluster.context.address) as channel:
+        handoff = (
+            worker_pb2_grpc.ContextWorkerStub(channel)
+            .Prefill(worker_pb2.PrefillRequest(request_id="mix-lapse", prompt_token_ids=token_ids, num_candidates=2, lease_s=0.2), timeout=30.0)
+            .handoff
+        )  # fmt: skip
+    assert wait_until(
+        lambda: (
+            counters(cluster.context).get("transfer_failures/lease_lapsed", 0.0)
+            > before["context"].get("transfer_failures/lease_lapsed", 0.0)
+        )
+    )
+    handoff.context_address = cluster.context.address
+    with grpc.insecure_channel(cluster.generation.address) as channel:
+        lapsed = worker_pb2_grpc.GenerationWorkerStub(channel).Generate(
+            worker_pb2.GenerationRequest(handoff=handoff, prompt_token_ids=token_ids, sampling=common_pb2.SamplingOptions(beam_width=1, max_new_tokens=2)),
+            timeout=30.0,
+        )  # fmt: skip
+        with pytest.raises(grpc.RpcError):
+            list(lapsed)
+
+    page_bytes = (after_context := counters(cluster.context))["bytes"] - before["context"]["bytes"]
+    page_bytes /= 9
+    expected = {
+        "coordinator": {"requests/ok": 2, "requests/invalid_argument": 1, "requests/cancelled": 1},
+        "context": {
+            "requests/ok": 4,  # two ok, the cancelled one's and the lapsed one's prefills
+            "blocks": 9,
+            "bytes": 9 * page_bytes,
+            "transfer_failures/lease_lapsed": 1,
+        },
+        "generation": {
+            "requests/ok": 2,
+            "requests/cancelled": 1,
+            "requests/aborted": 1,
+            "blocks": 9,
+            "bytes": 9 * page_bytes,
+        },
+        "aggregated": {},
+    }
+
+    def observed() -> dict[str, dict[str, float]]:
+        return {server.name: moved(before[server.name], counters(server)) for server in servers(cluster)}
+
+    wait_until(lambda: observed()["generation"].keys() >= expected["generation"].keys(), timeout_s=30.0)
+    generation_failures = {
+        k: v for k, v in observed()["generation"].items() if k.startswith("transfer_failures/")
+    }
+    assert sum(generation_failures.values()) == 1, generation_failures  # the pull that found no offer
+    actual = {
+        name: {
+            k: v for k, v in moves.items() if not k.startswith("transfer_failures/") or name != "generation"
+        }
+        for name, moves in observed().items()
+    }
+    assert actual == expected, f"context bytes moved {after_context['bytes'] - before['context']['bytes']}"
+    assert page_bytes > 0 and page_bytes == int(page_bytes)
+
+    time.sleep(1.5)  # one probe period: the coordinator's view of the workers catches up
+    status = fetch_status(cluster.coordinator.address, 10.0)
+    assert status.requests_ok - status_before.requests_ok == 2
+    assert status.requests_refused - status_before.requests_refused == 1
+    assert status.requests_cancelled - status_before.requests_cancelled == 1
+    assert status.requests_failed == status_before.requests_failed
 
 
 def run_status(*arguments: str) -> subprocess.CompletedProcess[str]:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from prometheus_client import generate_latest
 
 from beamsplit.server.metrics import RequestTimer, ServerMetrics, read_samples
-from beamsplit.server.status import worker_load
+from beamsplit.server.status import server_status, worker_load
 from engine.types import EngineCounters
 
 ZERO = EngineCounters(
@@ -83,3 +83,29 @@ def test_transfers_requests_and_latency() -> None:
         1,
     )
     assert (load.requests_ok, load.requests_failed) == (1, 1)
+
+
+def test_status_counts_refusals_and_cancels_apart_from_failures() -> None:
+    metrics = ServerMetrics("coordinator")
+    outcomes = ["ok"] * 3 + ["invalid_argument"] * 2 + ["resource_exhausted", "cancelled", "unavailable"]
+    for outcome in [*outcomes, "aborted", "error"]:
+        metrics.count_request(outcome)
+    load = worker_load(metrics, num_requests=0)
+    assert (load.requests_ok, load.requests_refused, load.requests_cancelled, load.requests_failed) == (
+        3,
+        3,
+        1,
+        3,
+    )
+    status = server_status(metrics, 0, [])
+    assert (
+        status.requests_ok,
+        status.requests_refused,
+        status.requests_cancelled,
+        status.requests_failed,
+    ) == (
+        3,
+        3,
+        1,
+        3,
+    )

@@ -6,6 +6,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
 
 from engine.models.gguf_checkpoint.metadata import Metadata
+from engine.tokenizer import byte_alphabet
 
 # llama.cpp's pre-tokenizer names -> how text is split before byte-level BPE. "smollm" puts every
 # digit on its own, as SmolLM's own tokenizer.json does (Digits(individual_digits=True)).
@@ -27,7 +28,7 @@ def byte_level_bpe(meta: Metadata) -> RawTokenizer:
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")
     merges: list[str] = meta.get("tokenizer.ggml.merges", [])
     token_types: list[int] = meta.get("tokenizer.ggml.token_type", [])
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     vocab = {
         token if set(token) <= spelled else "".join(alphabet[byte] for byte in token.encode("utf-8")): index
@@ -56,19 +57,3 @@ def byte_level_bpe(meta: Metadata) -> RawTokenizer:
 def _merge_pair(merge: str) -> tuple[str, str]:
     left, _, right = merge.partition(" ")
     return left, right
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map that byte-level vocabularies are spelled in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    alphabet = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in alphabet:
-            alphabet[byte] = chr(256 + extra)
-            extra += 1
-    return alphabet
