@@ -16,8 +16,8 @@ was measured safe in the running process (once per shape, dtype and thread count
   packed or not (measured, float32 and bfloat16; M = 1 takes a matrix-vector kernel). On this
   host (AMD EPYC, AVX-512) it is also the fastest: the 156M model's linear layers took 15-21 ms
   for 4 rows (fewer are padded to 4) against 31 ms for one row as MKL's matrix-vector product and
-  40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. RowChunkedLinear
-  packs its weight for it once (a second copy of the weight: oneDNN's blocked layout).
+  40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. The engine
+  packs the weights for it once at load (engine/packed_linear.py), keeping no dense copy.
 - MKL (`rows_are_independent` and `columns_are_independent`): prompt rows through one matmul
   padded to a multiple of MATMUL_ROW_MULTIPLE rows and every decode row through
   `weight @ rows.T`, in whole groups of COLUMN_GROUP columns, two groups to a call where there
@@ -378,24 +378,14 @@ def invariant_linear(
 class RowChunkedLinear(nn.Linear):
     """nn.Linear whose rows do not depend on the other rows of the batch (same parameters).
 
-    Where the oneDNN path runs, it keeps the weight packed for it too, packed again whenever the
-    weight changes (a load, `.to()`)."""
-
-    _packed: tuple[tuple[object, ...], torch.Tensor] | None = None
+    It keeps the weight dense (oneDNN's path reorders it on each call); the engine replaces the
+    layers that take oneDNN's path by engine/packed_linear.py's PackedLinear at load, which
+    hold the weight packed instead."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2:
             raise ValueError(f"RowChunkedLinear takes [rows, features], got shape {tuple(hidden.shape)}")
-        return invariant_linear(hidden, self.weight, self.bias, self._packed_weight(hidden))
-
-    def _packed_weight(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        weight = self.weight
-        if not onednn_rows_are_independent(*_kernel_shape(hidden, weight)):
-            return None
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack_onednn_weight(weight))
-        return self._packed[1]
+        return invariant_linear(hidden, self.weight, self.bias)
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:

@@ -72,19 +72,6 @@ def test_onednn_here_keeps_rows_apart(dtype: torch.dtype) -> None:
     assert not batch_invariant.onednn_rows_are_independent(256, 384, dtype, "cuda", 1)
 
 
-def test_row_chunked_linear_packs_its_weight_again_when_it_changes() -> None:
-    """The oneDNN path's packed copy of the weight follows the weight: the layer's rows equal
-    invariant_linear's on the dense weight before and after load_state_dict."""
-    generator = torch.Generator().manual_seed(3)
-    layer = batch_invariant.make_batch_invariant(torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False)))[0]
-    rows = torch.randn(3, 64, generator=generator)
-    for _ in range(2):
-        expected = invariant_linear(rows, layer.weight.detach(), None)
-        assert torch.equal(layer(rows), expected)
-        torch.testing.assert_close(expected, torch.nn.functional.linear(rows, layer.weight))
-        layer.load_state_dict({"weight": torch.randn(96, 64, generator=generator)})
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_rows_do_not_depend_on_the_batch(dtype: torch.dtype, linear_path: str) -> None:
     """A decode row (greedy, or one beam of a request) gives the same bits alone, next to other
