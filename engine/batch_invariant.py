@@ -54,6 +54,7 @@ COLUMNS_PER_CALL = 2 * COLUMN_GROUP  # up to two groups per call (faster than tw
 ONEDNN_MIN_ROWS = 4  # fewer rows are zero-padded: one row takes a matrix-vector kernel (other bits),
 # and 2 rows took 24-28 ms where 4 took 15-21 (the 156M model's linear layers)
 ONEDNN_PACK_ROWS = 16  # the row count oneDNN's weight layout is chosen for (any gives the same bits)
+ONEDNN_CHUNK_ROWS = 32  # rows per oneDNN call where only fixed-shape calls keep rows apart (AMX bf16)
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,61 @@ def onednn_rows_are_independent(
     return True
 
 
+@functools.cache
+def onednn_chunks_are_independent(
+    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
+) -> bool:
+    """Does oneDNN's inner product over exactly ONEDNN_CHUNK_ROWS rows give every row the same bits
+    wherever it sits in the call and whatever rows are next to it, weight packed or dense?
+
+    The fallback where `onednn_rows_are_independent` fails: on a host with AMX (Xeon, bfloat16)
+    oneDNN picks its kernel and blocking from the row count, so the same row differs between
+    M = 16 and M = 300 (measured, 2 threads, the 135M model's 576x1536, 1536x576 and 576x49152
+    layers), yet every call of one fixed M gave each row the same bits at every offset, at 1 and 2
+    threads, for all its shapes. Checked here once per shape, dtype and thread count."""
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    rows = torch.randn(10 * ONEDNN_CHUNK_ROWS, in_features, generator=generator).to(dtype)
+    try:
+        packed = pack_onednn_weight(weight)
+        reference = _onednn_chunked(rows[: 8 * ONEDNN_CHUNK_ROWS], packed)
+        if not torch.equal(_onednn_linear(rows[:ONEDNN_CHUNK_ROWS], weight), reference[:ONEDNN_CHUNK_ROWS]):
+            return False
+    except RuntimeError:  # no oneDNN inner product for this dtype or shape
+        return False
+    for offset in (1, 5, 13, 31, 100, 7 * ONEDNN_CHUNK_ROWS - 3):
+        window = slice(offset, offset + ONEDNN_CHUNK_ROWS)
+        if not torch.equal(_onednn_linear(rows[window], packed), reference[window]):
+            return False
+    return True
+
+
+def _onednn_chunked(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] -> [M, out] by oneDNN calls of exactly ONEDNN_CHUNK_ROWS rows (zero-padded)."""
+    padded = _pad_rows(rows, ONEDNN_CHUNK_ROWS)
+    chunks = [
+        _onednn_linear(padded[first : first + ONEDNN_CHUNK_ROWS], weight)
+        for first in range(0, padded.shape[0], ONEDNN_CHUNK_ROWS)
+    ]
+    return torch.cat(chunks)[: rows.shape[0]]
+
+
+def onednn_linear_if_independent(
+    hidden: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int, torch.dtype, str, int]
+) -> torch.Tensor | None:
+    """hidden [M, in] -> [M, out] through oneDNN where one of its checks holds for `shape` (see
+    _kernel_shape), else None. `weight`: [out, in], dense or packed."""
+    if onednn_rows_are_independent(*shape):
+        num_rows = hidden.shape[0]
+        padded = _pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden
+        return _onednn_linear(padded, weight)[:num_rows]
+    if onednn_chunks_are_independent(*shape):
+        return _onednn_chunked(hidden, weight)
+    return None
+
+
 def _pad_rows(rows: torch.Tensor, multiple: int) -> torch.Tensor:
     """rows [n, in], contiguous, with zero rows appended up to a multiple of `multiple`."""
     num_rows, in_features = rows.shape
@@ -337,11 +393,8 @@ def invariant_linear(
     matrix-vector product. Otherwise each row inside a fixed-shape item (see RowLayout)."""
     num_rows, in_features = hidden.shape
     shape = _kernel_shape(hidden, weight)
-    if onednn_rows_are_independent(*shape):
-        output = _onednn_linear(
-            _pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden,
-            weight if packed is None else packed,
-        )[:num_rows]
+    output = onednn_linear_if_independent(hidden, weight if packed is None else packed, shape)
+    if output is not None:
         return output if bias is None else output + bias
     layout = _ROW_LAYOUT.get()
     groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)

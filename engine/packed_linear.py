@@ -65,12 +65,11 @@ class PackedLinear(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2:
             raise ValueError(f"PackedLinear takes [rows, features], got shape {tuple(hidden.shape)}")
-        shape = (self.in_features, self.out_features, self.packed_weight.dtype, hidden.device.type)
-        if batch_invariant.onednn_rows_are_independent(*shape, torch.get_num_threads()):
-            num_rows = hidden.shape[0]
-            if num_rows < batch_invariant.ONEDNN_MIN_ROWS:
-                hidden = batch_invariant._pad_rows(hidden, batch_invariant.ONEDNN_MIN_ROWS)
-            output = batch_invariant._onednn_linear(hidden, self.packed_weight)[:num_rows]  # [M, out]
+        shape = (
+            self.in_features, self.out_features, self.packed_weight.dtype, hidden.device.type, torch.get_num_threads()
+        )  # fmt: skip
+        output = batch_invariant.onednn_linear_if_independent(hidden, self.packed_weight, shape)
+        if output is not None:
             return output if self.bias is None else output + self.bias
         return batch_invariant.invariant_linear(hidden, self.weight, self.bias)
 
@@ -100,7 +99,9 @@ def warm_up_linear_layers(model: nn.Module) -> int:
                 shape = (weight.shape[1], weight.shape[0], weight.dtype, weight.device.type, num_threads)
             else:
                 continue
-            if batch_invariant.onednn_rows_are_independent(*shape):
+            if batch_invariant.onednn_rows_are_independent(
+                *shape
+            ) or batch_invariant.onednn_chunks_are_independent(*shape):
                 if isinstance(child, batch_invariant.RowChunkedLinear):
                     child = PackedLinear.from_linear(child, shared=id(child.weight) in embedding_weights)
                     setattr(parent, name, child)

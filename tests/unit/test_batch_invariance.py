@@ -21,19 +21,22 @@ from engine.invariant_attention import PAGES_PER_ITEM, PROMPT_UNIT, prepare_inva
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 DTYPES = [torch.float32, torch.float64]
-LINEAR_PATHS = ["onednn", "columns", "one-matmul", "grouped"]
+LINEAR_PATHS = ["onednn", "onednn-chunks", "columns", "one-matmul", "grouped"]
 
 
 @pytest.fixture(params=LINEAR_PATHS)
 def linear_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The four ways invariant_linear keeps rows apart, where the kernels were measured to allow
-    each (this build allows the first three, so the checks must say so): every row in one oneDNN
-    call of at least 4 rows (float32; float64 has none and goes on to the next); prompt rows in one
+    """The five ways invariant_linear keeps rows apart, where the kernels were measured to allow
+    each (this build allows the first four in float32, so the checks must say so): every row in one
+    oneDNN call of at least 4 rows (float32; float64 has none and goes on to the next); oneDNN calls
+    of exactly ONEDNN_CHUNK_ROWS rows (what AMX's bfloat16 kernels allow); prompt rows in one
     padded matmul and decode rows in column groups; every row in one padded matmul but single
     decode rows (a matrix-vector product each); fixed-shape items."""
     if request.param != "onednn":
         monkeypatch.setattr(batch_invariant, "onednn_rows_are_independent", lambda *args: False)
-    if request.param not in ("onednn", "columns"):
+    if request.param not in ("onednn", "onednn-chunks"):
+        monkeypatch.setattr(batch_invariant, "onednn_chunks_are_independent", lambda *args: False)
+    if request.param not in ("onednn", "onednn-chunks", "columns"):
         monkeypatch.setattr(batch_invariant, "columns_are_independent", lambda *args: False)
     if request.param == "grouped":
         monkeypatch.setattr(batch_invariant, "rows_are_independent", lambda *args: False)
@@ -62,14 +65,21 @@ def test_the_blas_here_keeps_groups_of_four_columns_apart(dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_onednn_here_keeps_rows_apart(dtype: torch.dtype) -> None:
-    """The measurement the oneDNN path rests on, for the shapes of the models tested here; float64
-    has no oneDNN inner product, so it must go on to the MKL paths."""
+    """The measurements the oneDNN paths rest on, for the shapes of the models tested here: calls
+    of exactly ONEDNN_CHUNK_ROWS rows keep rows apart everywhere measured; calls of any row count
+    do too on AVX-512 without AMX (float32 here; bfloat16 there), not with AMX's bfloat16 kernels,
+    whose blocking follows the row count. float64 has no oneDNN inner product, so it must go on to
+    the MKL paths."""
+    threads = torch.get_num_threads()
     for in_features, out_features in ((256, 384), (64, 262), (256, 512), (1024, 2816), (1024, 32000)):
-        assert batch_invariant.onednn_rows_are_independent(
-            in_features, out_features, dtype, "cpu", torch.get_num_threads()
-        )
+        shape = (in_features, out_features, dtype, "cpu", threads)
+        assert batch_invariant.onednn_chunks_are_independent(*shape)
+        if dtype == torch.float32:
+            assert batch_invariant.onednn_rows_are_independent(*shape)
     assert not batch_invariant.onednn_rows_are_independent(256, 384, torch.float64, "cpu", 1)
+    assert not batch_invariant.onednn_chunks_are_independent(256, 384, torch.float64, "cpu", 1)
     assert not batch_invariant.onednn_rows_are_independent(256, 384, dtype, "cuda", 1)
+    assert not batch_invariant.onednn_chunks_are_independent(256, 384, dtype, "cuda", 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

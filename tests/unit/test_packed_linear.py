@@ -16,6 +16,7 @@ from engine.packed_linear import PackedLinear, bytes_held, dense_weight_bytes, w
 
 CHECKS: tuple[Callable[..., bool], ...] = (
     batch_invariant.onednn_rows_are_independent,
+    batch_invariant.onednn_chunks_are_independent,
     batch_invariant.rows_are_independent,
     batch_invariant.columns_are_independent,
 )
