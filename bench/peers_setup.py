@@ -69,6 +69,10 @@ def hf_checkpoint(gguf_path: Path, name: str, say: Say, cache_dir: Path = CACHE_
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
+    # Its tensors are float32 already; only the GGUF marker makes save_pretrained refuse it.
+    model.hf_quantizer = None
+    if "quantization_config" in model.config.__dict__:
+        del model.config.quantization_config
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(staging)
     return _finish(staging, directory)
