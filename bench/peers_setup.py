@@ -24,7 +24,7 @@ CACHE_DIR = Path(__file__).resolve().parent / "out" / "peers-cache"
 # torch pinned to beamsplit's CPU build, so pip takes the local CPU wheel, not a multi-GB CUDA one.
 PEER_PACKAGES = (
     "torch==2.13.0",
-    "torchvision==0.28.0",  # optimum-intel needs it; the build made for torch 2.13
+    "torchvision==0.28.0",  # optimum-intel requires it; removed after the install (see peer_venv)
     "transformers==5.5.4",  # optimum-intel 2.2 takes transformers < 5.6
     "openvino==2026.4.1",
     "openvino-genai==2026.4.1.0",
@@ -96,6 +96,10 @@ def peer_venv(say: Say, install: bool, cache_dir: Path = CACHE_DIR) -> tuple[Pat
     result = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     if result.returncode != 0:
         return None, f"pip install failed ({result.returncode}): {result.stderr.strip()[-400:]}"
+    # PyPI's torchvision is built against the CUDA torch: beside the local CPU torch its ops fail to
+    # register and transformers cannot import a model class. Text models never use it.
+    subprocess.run([str(directory / "bin" / "python"), "-m", "pip", "uninstall", "--yes", "torchvision"],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
     (directory / ".done").write_text("\n".join(PEER_PACKAGES) + "\n")
     return venv_python(cache_dir), "ready"
 
