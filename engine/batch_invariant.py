@@ -16,8 +16,8 @@ was measured safe in the running process (once per shape, dtype and thread count
   packed or not (measured, float32 and bfloat16; M = 1 takes a matrix-vector kernel). On this
   host (AMD EPYC, AVX-512) it is also the fastest: the 156M model's linear layers took 15-21 ms
   for 4 rows (fewer are padded to 4) against 31 ms for one row as MKL's matrix-vector product and
-  40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. RowChunkedLinear
-  packs its weight for it once (a second copy of the weight: oneDNN's blocked layout).
+  40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. The engine
+  packs the weights for it once at load (engine/packed_linear.py), keeping no dense copy.
 - MKL (`rows_are_independent` and `columns_are_independent`): prompt rows through one matmul
   padded to a multiple of MATMUL_ROW_MULTIPLE rows and every decode row through
   `weight @ rows.T`, in whole groups of COLUMN_GROUP columns, two groups to a call where there
@@ -54,6 +54,7 @@ COLUMNS_PER_CALL = 2 * COLUMN_GROUP  # up to two groups per call (faster than tw
 ONEDNN_MIN_ROWS = 4  # fewer rows are zero-padded: one row takes a matrix-vector kernel (other bits),
 # and 2 rows took 24-28 ms where 4 took 15-21 (the 156M model's linear layers)
 ONEDNN_PACK_ROWS = 16  # the row count oneDNN's weight layout is chosen for (any gives the same bits)
+ONEDNN_CHUNK_ROWS = 32  # rows per oneDNN call where only fixed-shape calls keep rows apart (AMX bf16)
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,61 @@ def onednn_rows_are_independent(
     return True
 
 
+@functools.cache
+def onednn_chunks_are_independent(
+    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
+) -> bool:
+    """Does oneDNN's inner product over exactly ONEDNN_CHUNK_ROWS rows give every row the same bits
+    wherever it sits in the call and whatever rows are next to it, weight packed or dense?
+
+    The fallback where `onednn_rows_are_independent` fails: on a host with AMX (Xeon, bfloat16)
+    oneDNN picks its kernel and blocking from the row count, so the same row differs between
+    M = 16 and M = 300 (measured, 2 threads, the 135M model's 576x1536, 1536x576 and 576x49152
+    layers), yet every call of one fixed M gave each row the same bits at every offset, at 1 and 2
+    threads, for all its shapes. Checked here once per shape, dtype and thread count."""
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    rows = torch.randn(10 * ONEDNN_CHUNK_ROWS, in_features, generator=generator).to(dtype)
+    try:
+        packed = pack_onednn_weight(weight)
+        reference = _onednn_chunked(rows[: 8 * ONEDNN_CHUNK_ROWS], packed)
+        if not torch.equal(_onednn_linear(rows[:ONEDNN_CHUNK_ROWS], weight), reference[:ONEDNN_CHUNK_ROWS]):
+            return False
+    except RuntimeError:  # no oneDNN inner product for this dtype or shape
+        return False
+    for offset in (1, 5, 13, 31, 100, 7 * ONEDNN_CHUNK_ROWS - 3):
+        window = slice(offset, offset + ONEDNN_CHUNK_ROWS)
+        if not torch.equal(_onednn_linear(rows[window], packed), reference[window]):
+            return False
+    return True
+
+
+def _onednn_chunked(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] -> [M, out] by oneDNN calls of exactly ONEDNN_CHUNK_ROWS rows (zero-padded)."""
+    padded = _pad_rows(rows, ONEDNN_CHUNK_ROWS)
+    chunks = [
+        _onednn_linear(padded[first : first + ONEDNN_CHUNK_ROWS], weight)
+        for first in range(0, padded.shape[0], ONEDNN_CHUNK_ROWS)
+    ]
+    return torch.cat(chunks)[: rows.shape[0]]
+
+
+def onednn_linear_if_independent(
+    hidden: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int, torch.dtype, str, int]
+) -> torch.Tensor | None:
+    """hidden [M, in] -> [M, out] through oneDNN where one of its checks holds for `shape` (see
+    _kernel_shape), else None. `weight`: [out, in], dense or packed."""
+    if onednn_rows_are_independent(*shape):
+        num_rows = hidden.shape[0]
+        padded = _pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden
+        return _onednn_linear(padded, weight)[:num_rows]
+    if onednn_chunks_are_independent(*shape):
+        return _onednn_chunked(hidden, weight)
+    return None
+
+
 def _pad_rows(rows: torch.Tensor, multiple: int) -> torch.Tensor:
     """rows [n, in], contiguous, with zero rows appended up to a multiple of `multiple`."""
     num_rows, in_features = rows.shape
@@ -385,11 +441,8 @@ def invariant_linear(
     matrix-vector product. Otherwise each row inside a fixed-shape item (see RowLayout)."""
     num_rows, in_features = hidden.shape
     shape = _kernel_shape(hidden, weight)
-    if onednn_rows_are_independent(*shape):
-        output = _onednn_linear(
-            _pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden,
-            weight if packed is None else packed,
-        )[:num_rows]
+    output = onednn_linear_if_independent(hidden, weight if packed is None else packed, shape)
+    if output is not None:
         return output if bias is None else output + bias
     layout = _ROW_LAYOUT.get()
     groups = layout.groups_for(num_rows) if layout is not None else _default_groups(num_rows, hidden.device)
@@ -423,24 +476,14 @@ def invariant_linear(
 class RowChunkedLinear(nn.Linear):
     """nn.Linear whose rows do not depend on the other rows of the batch (same parameters).
 
-    Where the oneDNN path runs, it keeps the weight packed for it too, packed again whenever the
-    weight changes (a load, `.to()`)."""
-
-    _packed: tuple[tuple[object, ...], torch.Tensor] | None = None
+    It keeps the weight dense (oneDNN's path reorders it on each call); the engine replaces the
+    layers that take oneDNN's path by engine/packed_linear.py's PackedLinear at load, which
+    hold the weight packed instead."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2:
             raise ValueError(f"RowChunkedLinear takes [rows, features], got shape {tuple(hidden.shape)}")
-        return invariant_linear(hidden, self.weight, self.bias, self._packed_weight(hidden))
-
-    def _packed_weight(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        weight = self.weight
-        if not onednn_rows_are_independent(*_kernel_shape(hidden, weight)):
-            return None
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack_onednn_weight(weight))
-        return self._packed[1]
+        return invariant_linear(hidden, self.weight, self.bias)
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:

@@ -33,6 +33,7 @@ from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.loader import load_model
+from engine.packed_linear import warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder
 from engine.request_checks import check_fits_pool, check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
@@ -49,6 +50,8 @@ class LLMEngine(ContextSide):
         """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
         if config.batch_invariant:
+            # Every kernel check and weight packing now, before anyone calls this engine ready:
+            # not on the first request (engine/packed_linear.py).
             make_batch_invariant(model)
         page_bytes = KVPool.page_bytes_for(self.model_config, config.cache.tokens_per_block, model.dtype)
         # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
@@ -89,6 +92,17 @@ class LLMEngine(ContextSide):
         self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
         self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
         self._request_counter = itertools.count()
+        self.warm_up()
+
+    def warm_up(self) -> float:
+        """Runs every per-shape kernel check at this thread's torch thread count and packs the
+        linear weights (engine/packed_linear.py), so that no request pays for them; returns the
+        seconds it took. Called once here; a caller that steps the engine from a thread with
+        another thread count calls it again from that thread before reporting ready."""
+        started = time.monotonic()
+        if self.config.batch_invariant:
+            warm_up_linear_layers(self.runner.model)
+        return time.monotonic() - started
 
     # -- aggregated --------------------------------------------------------------------------
     def add_request(

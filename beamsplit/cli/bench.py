@@ -22,6 +22,11 @@ BENCHMARKS = (
     ),
     ("soak", "minutes of mixed traffic, a worker SIGKILLed and restarted every minute: lost, stranded, RSS"),
     (
+        "peers",
+        "beamsplit (aggregated and disaggregated, HTTP) against transformers, OpenVINO GenAI and CTranslate2 "
+        "on SmolLM2-135M: one request alone, 16 at once, float32 and native bfloat16, host limits, goals",
+    ),
+    (
         "serve",
         "a replayed Poisson workload (beam widths 1/2/4) on a 156M random Llama: disaggregated, aggregated "
         "and transformers generate; throughput, TTFT, inter-token latency, KV memory, goals",
@@ -70,6 +75,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             add_serve_arguments(benchmark_parser)
         elif name == "service":
             add_service_arguments(benchmark_parser)
+        elif name == "peers":
+            benchmark_parser.add_argument(
+                "--quick", action="store_true", help="a tiny random model, short requests, no peer install"
+            )
+            benchmark_parser.add_argument(
+                "--threads", type=int, default=0, help="threads for every system (default: the usable cores)"
+            )
+            benchmark_parser.add_argument(
+                "--cache-dir",
+                default="",
+                help="where the checkpoint, the conversions and the peers' venv are built once "
+                "(default: bench/out/peers-cache)",
+            )
         elif name == "soak":
             benchmark_parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs")
             benchmark_parser.add_argument("--concurrency", type=int, default=16, help="client threads")

@@ -22,6 +22,8 @@ from engine.config import EngineConfig
 from engine.scheduler import QueueLimits
 from transfer import MemoryRegion, TransferAgent, UcxTransferAgent
 
+WARM_UP_TIMEOUT_S = 600.0  # kernel checks on the loop thread: seconds on a slow host, bounded
+
 KV_REGION_NAME = "kv"
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,10 @@ def start_engine(
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
     if not run_in_caller:
         loop.start()
+        if one_pool:
+            # The loop thread computes with num_threads, for which the checks have not run yet: run
+            # them there before anyone is told the engine is ready (engine/packed_linear.py).
+            loop.call(lambda engine: engine.warm_up(), timeout_s=WARM_UP_TIMEOUT_S)
     return EngineHandle(engine=engine, loop=loop, config=config)
 
 

@@ -22,19 +22,22 @@ from engine.invariant_attention import PAGES_PER_ITEM, PROMPT_UNIT, prepare_inva
 from tests.helpers.checkpoints import write_random_llama_checkpoint
 
 DTYPES = [torch.float32, torch.float64]
-LINEAR_PATHS = ["onednn", "columns", "one-matmul", "grouped"]
+LINEAR_PATHS = ["onednn", "onednn-chunks", "columns", "one-matmul", "grouped"]
 
 
 @pytest.fixture(params=LINEAR_PATHS)
 def linear_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The four ways invariant_linear keeps rows apart, where the kernels were measured to allow
-    each (this build allows the first three, so the checks must say so): every row in one oneDNN
-    call of at least 4 rows (float32; float64 has none and goes on to the next); prompt rows in one
+    """The five ways invariant_linear keeps rows apart, where the kernels were measured to allow
+    each (this build allows the first four in float32, so the checks must say so): every row in one
+    oneDNN call of at least 4 rows (float32; float64 has none and goes on to the next); oneDNN calls
+    of exactly ONEDNN_CHUNK_ROWS rows (what AMX's bfloat16 kernels allow); prompt rows in one
     padded matmul and decode rows in column groups; every row in one padded matmul but single
     decode rows (a matrix-vector product each); fixed-shape items."""
     if request.param != "onednn":
         monkeypatch.setattr(batch_invariant, "onednn_rows_are_independent", lambda *args: False)
-    if request.param not in ("onednn", "columns"):
+    if request.param not in ("onednn", "onednn-chunks"):
+        monkeypatch.setattr(batch_invariant, "onednn_chunks_are_independent", lambda *args: False)
+    if request.param not in ("onednn", "onednn-chunks", "columns"):
         monkeypatch.setattr(batch_invariant, "columns_are_independent", lambda *args: False)
     if request.param == "grouped":
         monkeypatch.setattr(batch_invariant, "rows_are_independent", lambda *args: False)
@@ -99,40 +102,32 @@ def test_the_blas_here_keeps_groups_of_four_columns_apart(dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_onednn_check_tells_the_truth_here(dtype: torch.dtype) -> None:
-    """The measurement the oneDNN path rests on, for the shapes of the models tested here: float32
-    passes on every host seen so far (the serving path depends on it); bfloat16 on AMX hosts fails
-    for some shapes, which then take the MKL paths. Where it says yes, a wider probe must agree.
-    float64 has no oneDNN inner product, so it must go on to the MKL paths."""
+def test_onednn_checks_tell_the_truth_here(dtype: torch.dtype) -> None:
+    """The measurements the oneDNN paths rest on, for the shapes of the models tested here: calls
+    of exactly ONEDNN_CHUNK_ROWS rows keep rows apart everywhere measured; calls of any row count do
+    too in float32 on every host seen so far, and in bfloat16 on AVX-512 without AMX, not with
+    AMX's bfloat16 kernels, whose blocking follows the row count. Where the any-row check says yes,
+    a wider probe must agree. float64 has no oneDNN inner product, so it must go on to the MKL
+    paths."""
+    threads = torch.get_num_threads()
     for in_features, out_features in ((256, 384), (64, 262), (256, 512), (1024, 2816), (1024, 32000)):
-        is_safe = batch_invariant.onednn_rows_are_independent(
-            in_features, out_features, dtype, "cpu", torch.get_num_threads()
-        )
+        shape = (in_features, out_features, dtype, "cpu", threads)
+        assert batch_invariant.onednn_chunks_are_independent(*shape)
+        is_safe = batch_invariant.onednn_rows_are_independent(*shape)
         assert is_safe or dtype != torch.float32, (in_features, out_features)
         if is_safe:
-            weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(5)).to(
-                dtype
+            generator = torch.Generator().manual_seed(5)
+            packed = batch_invariant.pack_onednn_weight(
+                torch.randn(out_features, in_features, generator=generator).to(dtype)
             )
-            packed = batch_invariant.pack_onednn_weight(weight)
             assert _rows_agree_wherever_they_sit(
                 lambda rows, packed=packed: batch_invariant._onednn_linear(rows.to(dtype), packed),
                 in_features,
             ), (in_features, out_features)
     assert not batch_invariant.onednn_rows_are_independent(256, 384, torch.float64, "cpu", 1)
+    assert not batch_invariant.onednn_chunks_are_independent(256, 384, torch.float64, "cpu", 1)
     assert not batch_invariant.onednn_rows_are_independent(256, 384, dtype, "cuda", 1)
-
-
-def test_row_chunked_linear_packs_its_weight_again_when_it_changes() -> None:
-    """The oneDNN path's packed copy of the weight follows the weight: the layer's rows equal
-    invariant_linear's on the dense weight before and after load_state_dict."""
-    generator = torch.Generator().manual_seed(3)
-    layer = batch_invariant.make_batch_invariant(torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False)))[0]
-    rows = torch.randn(3, 64, generator=generator)
-    for _ in range(2):
-        expected = invariant_linear(rows, layer.weight.detach(), None)
-        assert torch.equal(layer(rows), expected)
-        torch.testing.assert_close(expected, torch.nn.functional.linear(rows, layer.weight))
-        layer.load_state_dict({"weight": torch.randn(96, 64, generator=generator)})
+    assert not batch_invariant.onednn_chunks_are_independent(256, 384, dtype, "cuda", 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

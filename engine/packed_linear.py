@@ -1,0 +1,142 @@
+"""Kernel warm-up at load: every per-shape check measured and every linear weight packed, once.
+
+engine/batch_invariant.py picks each linear layer's kernel from measurements made in the running
+process (once per shape, dtype and thread count) and runs oneDNN's inner product, fastest with
+the weight in oneDNN's blocked layout. Done lazily, both land on the first request after the
+server reports healthy: the checks run the LM head's shape a dozen times, and packing copies
+every weight. `warm_up_linear_layers` does both before the engine is handed out:
+- it runs the checks for every linear layer's shape at the current thread count;
+- where oneDNN's path is taken, it replaces the layer by a PackedLinear that holds the weight
+  packed and nothing else (one copy, not two: the dense weight is dropped). A packed weight is
+  an opaque oneDNN tensor; `PackedLinear.weight` unpacks it on demand (a product with the
+  identity, exact: every output is 1 x w plus zeros) for the rare reader of the dense weight
+  (a thread count whose check fails, a state_dict). A head tied to the embedding keeps the dense
+  tensor the embedding owns anyway, and holds the packed copy beside it.
+
+Dimensions: M rows, in and out features.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import engine.batch_invariant as batch_invariant
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Module):
+    """A bias-free or biased linear layer whose weight lives only in oneDNN's packed layout.
+
+    Rows are independent of each other as in RowChunkedLinear: where the oneDNN check holds (it
+    did at packing; the thread count may change since), every row goes through one inner-product
+    call; otherwise through invariant_linear's other paths with the weight unpacked."""
+
+    def __init__(
+        self, packed_weight: torch.Tensor, bias: nn.Parameter | None, shared: torch.Tensor | None
+    ) -> None:
+        """packed_weight: [out, in] from pack_onednn_weight; shared: the dense weight when another
+        module owns it too (a tied embedding), else None."""
+        super().__init__()
+        self.out_features, self.in_features = packed_weight.shape
+        self.packed_weight = packed_weight
+        self.bias = bias
+        self._shared = shared
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, shared: bool) -> PackedLinear:
+        weight = linear.weight.detach()
+        return cls(batch_invariant.pack_onednn_weight(weight), linear.bias, weight if shared else None)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight [out, in]: the shared one, else unpacked (exact, costs in*in*out)."""
+        if self._shared is not None:
+            return self._shared
+        identity = torch.eye(self.in_features, dtype=self.packed_weight.dtype)  # [in, in]
+        return batch_invariant._onednn_linear(identity, self.packed_weight).t().contiguous()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() != 2:
+            raise ValueError(f"PackedLinear takes [rows, features], got shape {tuple(hidden.shape)}")
+        shape = (
+            self.in_features, self.out_features, self.packed_weight.dtype, hidden.device.type, torch.get_num_threads()
+        )  # fmt: skip
+        output = batch_invariant.onednn_linear_if_independent(hidden, self.packed_weight, shape)
+        if output is not None:
+            return output if self.bias is None else output + self.bias
+        return batch_invariant.invariant_linear(hidden, self.weight, self.bias)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def warm_up_linear_layers(model: nn.Module) -> int:
+    """Runs every kernel check the model's linear layers will ask for at this thread count, and
+    packs (replaces by PackedLinear) those that take oneDNN's path; returns how many layers are
+    packed. The model's linear layers are RowChunkedLinear (make_batch_invariant) or already
+    packed; call it again from a thread that computes with another thread count."""
+    started = time.monotonic()
+    embedding_weights = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
+    num_threads = torch.get_num_threads()
+    num_packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                shape = (child.in_features, child.out_features, child.packed_weight.dtype, "cpu", num_threads)
+            elif isinstance(child, batch_invariant.RowChunkedLinear):
+                weight = child.weight
+                shape = (weight.shape[1], weight.shape[0], weight.dtype, weight.device.type, num_threads)
+            else:
+                continue
+            if batch_invariant.onednn_rows_are_independent(
+                *shape
+            ) or batch_invariant.onednn_chunks_are_independent(*shape):
+                if isinstance(child, batch_invariant.RowChunkedLinear):
+                    child = PackedLinear.from_linear(child, shared=id(child.weight) in embedding_weights)
+                    setattr(parent, name, child)
+                num_packed += 1
+            # The MKL paths' checks, as invariant_linear asks them (all False on a GPU, at no cost).
+            elif batch_invariant.rows_are_independent(*shape):
+                batch_invariant.columns_are_independent(*shape)
+    logger.info(
+        "kernel checks at %d threads, weights packed: %d linear layers on oneDNN's path, in %.1f s",
+        num_threads, num_packed, time.monotonic() - started,
+    )  # fmt: skip
+    return num_packed
+
+
+def bytes_held(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds (parameters, buffers, packed weights), each counted
+    once: what the weights cost in memory, whatever their layout."""
+    seen: set[int] = set()
+    total = 0
+    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
+    tensors.extend(module.packed_weight for module in model.modules() if isinstance(module, PackedLinear))
+    for tensor in tensors:
+        key = id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += (
+            tensor.numel() * tensor.element_size() if tensor.is_mkldnn else tensor.untyped_storage().nbytes()
+        )
+    return total
+
+
+def dense_weight_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a state dict's tensors, each storage once (tied weights count once)."""
+    storages = {
+        tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in state.values()
+    }
+    return sum(storages.values())

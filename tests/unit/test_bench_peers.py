@@ -1,0 +1,105 @@
+"""`beamsplit bench peers`: its pure rules exactly, and its --quick run end to end (beamsplit's two
+deployments and transformers on a tiny random Llama; the peers without their venv skipped with why)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from beamsplit.cli import bench
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def rules() -> Any:
+    bench._load("peers")  # registers its siblings
+    return sys.modules["bench_peers_report"]
+
+
+def test_cpu_flags_and_precisions(rules: Any) -> None:
+    amx = "processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16 sse\n"
+    assert rules.cpu_flags(amx) == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert rules.precisions(rules.cpu_flags(amx)) == (
+        ["float32", "bfloat16"],
+        "native bf16: amx_bf16, avx512_bf16",
+    )
+    names, why = rules.precisions(rules.cpu_flags("flags : fpu avx2\n"))
+    assert names == ["float32"] and "bfloat16 skipped" in why and "amx_bf16" in why
+
+
+def test_goals_compare_with_the_fastest_peer(rules: Any) -> None:
+    def figures(single: float, throughput: float, first: float = 1.0) -> dict[str, Any]:
+        return {"single_request_s": single, "beam_tokens_per_s": throughput, "first_over_warm": first}
+
+    results = {
+        "float32": {
+            "transformers": figures(5.0, 100.0),
+            "openvino": figures(3.0, 230.0),
+            "ctranslate2": {"error": "no venv"},
+            "beamsplit-aggregated": figures(3.3, 460.0, 1.1),
+        },
+        "bfloat16": {"transformers": figures(4.0, 50.0), "beamsplit-aggregated": figures(1.5, 920.0, 1.5)},
+    }
+    rules.add_ratios(results)
+    assert results["float32"]["beamsplit-aggregated"]["throughput_over_fastest_peer"] == 2.0
+    assert results["float32"]["beamsplit-aggregated"]["single_over_fastest_peer"] == pytest.approx(1.1)
+    goals = {goal["goal"]: goal for goal in rules.build_goals(results, ["float32", "bfloat16"], True)}
+    assert goals["beamsplit-aggregated float32 throughput / fastest peer"]["met"] is True
+    assert goals["beamsplit-aggregated float32 single request / fastest peer"]["met"] is False
+    assert goals["beamsplit-aggregated bfloat16 first request / warm"]["met"] is False
+    assert goals["beamsplit-aggregated float32 RSS / (weights + KV pool)"]["met"] is None  # not measured
+    assert goals["beamsplit-aggregated bf16 throughput / f32"]["measured"] == 2.0
+    assert goals["beamsplit-aggregated f32 single / bf16 single"]["measured"] == 2.2
+    assert "beamsplit-disaggregated float32 throughput / fastest peer" not in goals  # it did not run
+
+
+def test_cli_registers_peers_with_its_flags() -> None:
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers(dest="command"))
+    arguments = parser.parse_args(
+        ["bench", "peers", "--json", "--quick", "--threads", "2", "--cache-dir", "x"]
+    )
+    assert (arguments.benchmark, arguments.json, arguments.quick, arguments.threads, arguments.cache_dir) == (
+        "peers",
+        True,
+        True,
+        2,
+        "x",
+    )
+
+
+def test_quick_run_measures_beamsplit_and_transformers(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "beamsplit.cli", "bench", "peers", "--quick", "--json",
+               "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    systems = report["results"]["float32"]
+    for name in ("transformers", "beamsplit-aggregated", "beamsplit-disaggregated"):
+        assert "error" not in systems[name], (name, systems[name])
+        assert systems[name]["beam_tokens_per_s"] > 0 and systems[name]["rss_bytes"] > 0
+    for name in ("openvino", "ctranslate2"):
+        assert "no peer venv" in systems[name]["error"]
+    # Exact beam search on the same weights: every top beam equals transformers float32's.
+    num_requests = report["settings"]["num_requests"]
+    assert systems["beamsplit-aggregated"]["agreement"] == num_requests
+    assert systems["beamsplit-disaggregated"]["agreement"] == num_requests
+    assert (
+        systems["beamsplit-aggregated"]["ttft_s"] > 0 and systems["beamsplit-aggregated"]["kv_pool_bytes"] > 0
+    )
+    assert (
+        set(report["host_limits"]["gemm_flops_per_s"]) == {"float32"}
+        and report["host_limits"]["copy_bytes_per_s"] > 0
+    )
+    goals = {goal["goal"] for goal in report["goals"]}
+    assert "beamsplit-disaggregated float32 throughput / fastest peer" in goals
+    assert report["bf16"].startswith(("bfloat16 skipped", "native")) and Path(report["plots"][0]).is_file()
+    for phase in ("phase 1/4", "phase 2/4", "phase 3/4", "phase 4/4"):
+        assert phase in result.stderr

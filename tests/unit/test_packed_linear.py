@@ -1,0 +1,108 @@
+"""Load-time kernel warm-up and packed weights (engine/packed_linear.py): the first request after
+load runs no kernel check and packs nothing, the weights are held once, and a packed layer
+computes what invariant_linear computes on the dense weight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant
+from engine.batch_invariant import RowChunkedLinear, invariant_linear
+from engine.models.loader import load_model
+from engine.packed_linear import PackedLinear, bytes_held, dense_weight_bytes, warm_up_linear_layers
+
+CHECKS: tuple[Callable[..., bool], ...] = (
+    batch_invariant.onednn_rows_are_independent,
+    batch_invariant.onednn_chunks_are_independent,
+    batch_invariant.rows_are_independent,
+    batch_invariant.columns_are_independent,
+)
+
+
+def checks_run() -> int:
+    return sum(check.cache_info().misses for check in CHECKS)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("model", "dtype"), [("tiny", "float32"), ("tiny-hybrid", "bfloat16"), ("tiny", "float64")]
+)
+def test_first_request_after_load_runs_no_check_and_packs_nothing(
+    model: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for check in CHECKS:
+        check.cache_clear()  # type: ignore[attr-defined]
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype))
+    checks_at_load = checks_run()
+    assert checks_at_load > 0
+    layers = list(engine.runner.model.modules())
+    # float64 has no oneDNN inner product: its layers stay dense and take the MKL paths.
+    assert any(isinstance(layer, PackedLinear) for layer in layers) == (dtype != "float64")
+    assert all(not isinstance(layer, RowChunkedLinear) for layer in layers) == (dtype != "float64")
+    packs: list[int] = []
+    pack = batch_invariant.pack_onednn_weight
+    monkeypatch.setattr(batch_invariant, "pack_onednn_weight", lambda weight: packs.append(1) or pack(weight))
+    output = engine.generate(
+        list(range(5, 45)), SamplingParams(beam_width=4, max_new_tokens=4, ignore_eos=True)
+    )
+    assert output.error is None and len(output.beams[0].token_ids) == 4
+    engine.check_integrity()
+    assert (checks_run(), packs) == (checks_at_load, [])
+
+
+def test_warm_up_at_another_thread_count_covers_that_count() -> None:
+    """A server's loop thread computes with more threads than the loading thread: warming up there
+    leaves its first request nothing to check."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(EngineConfig(model="tiny", dtype="float32"))
+    finally:
+        torch.set_num_threads(threads)
+    other = 3 if threads == 1 else threads
+    torch.set_num_threads(other)
+    try:
+        engine.warm_up()
+        checks_after_warm_up = checks_run()
+        engine.generate(list(range(5, 30)), SamplingParams(beam_width=2, max_new_tokens=3))
+        assert checks_run() == checks_after_warm_up
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("model", "dtype"), [("tiny", "float32"), ("tiny-hybrid", "float32"), ("tiny", "bfloat16")]
+)
+def test_weights_are_held_once(model: str, dtype: str) -> None:
+    """The model's tensors after load (packed weights included) cost no more than 1.3x the dense
+    weights in the serving dtype: no dense copy beside a packed one; a head tied to the embedding
+    (tiny-hybrid) keeps the embedding's dense tensor and one packed copy."""
+    dense, _, _ = load_model(model, dtype)
+    weights = dense_weight_bytes(dense.state_dict())
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype))
+    held = bytes_held(engine.runner.model)
+    tied = engine.model_config.tie_word_embeddings
+    assert held <= 1.3 * weights, (held, weights, tied)
+    # Untied: exactly one copy of everything (the blocked layout adds no padding at these shapes).
+    if not tied:
+        assert held <= 1.01 * weights, (held, weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layer_computes_what_the_dense_one_does(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=True)).to(dtype)
+    weight = model[0].weight.detach().clone()
+    bias = model[0].bias.detach().clone()
+    assert warm_up_linear_layers(batch_invariant.make_batch_invariant(model)) == 1
+    layer = model[0]
+    assert isinstance(layer, PackedLinear)
+    assert torch.equal(layer.weight, weight)  # unpacked exactly
+    assert torch.equal(model.state_dict()["0.weight"], weight)
+    for num_rows in (1, 3, 4, 17):
+        rows = torch.randn(num_rows, 64, generator=generator).to(dtype)
+        assert torch.equal(layer(rows), invariant_linear(rows, weight, bias)), num_rows
+    with pytest.raises(ValueError, match=r"\[rows, features\]"):
+        layer(torch.zeros(2, 3, 64, dtype=dtype))
