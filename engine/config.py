@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's bound)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # Scoring (engine/logprobs.py): None off; k >= 0 reports each returned token's log-prob (and
+    # the best k at its position); prompt_logprobs does the same for every prompt position after
+    # the first, which makes the request skip the prefix cache (its positions need logits).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     MAX_BEAM_WIDTH = 64
     MAX_ABS_LENGTH_PENALTY = 16.0
@@ -119,6 +125,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def num_candidates(self) -> int:
