@@ -203,7 +203,7 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ("stop with beams", {"n": 2, "stop": ["x"], "extra_body": {"use_beam_search": True}}, "stop"),
     ("two stop token ids", {"extra_body": {"stop_token_ids": [1, 2]}}, "stop_token_ids"),
     ("stop token id outside vocab", {"extra_body": {"stop_token_ids": [999]}}, "stop_token_ids"),
-    ("per-token logprobs", {"logprobs": 2}, "logprobs"),
+    ("logprobs over 20", {"logprobs": 21}, "logprobs"),
     ("early_stopping", {"extra_body": {"use_beam_search": True, "early_stopping": "soon"}}, "early_stopping"),
     ("unknown token id", {"prompt": [1, 2, 260]}, "prompt"),
     ("empty prompt", {"prompt": ""}, "prompt"),
