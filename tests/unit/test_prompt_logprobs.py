@@ -13,7 +13,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.types import TokenLogprob
-from tests.helpers.checkpoints import write_random_llama_checkpoint
+from tests.helpers.checkpoints import write_random_lfm2_checkpoint, write_random_llama_checkpoint
 
 TOLERANCES = {"float64": 1e-9, "float32": 1e-4}
 NUM_TOP = 3
@@ -139,3 +139,23 @@ def test_generated_logprobs_are_the_model_distribution(checkpoint: Path, params:
             sum(record.logprob for record in beam.logprobs), beam.cumulative_logprob, abs_tol=1e-4
         )
         replay_generated(checkpoint, "float64", prompt_ids, beam.logprobs, 1e-5)
+
+
+def test_hybrid_prompt_logprobs_match_transformers(tmp_path: Path) -> None:
+    """LFM2 (convolution state + attention): chunked, with its prefix and snapshots cached."""
+    from transformers import Lfm2ForCausalLM
+
+    model_dir = write_random_lfm2_checkpoint(tmp_path / "lfm2", seed=4)
+    engine = make_engine(model_dir, "float64", 16)
+    prompt_ids = prompt(37)
+    reference_model = Lfm2ForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(reference_model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    engine.generate(prompt_ids, SamplingParams(max_new_tokens=1))
+    output = engine.generate(prompt_ids, SamplingParams(max_new_tokens=1, prompt_logprobs=2))
+    engine.check_integrity()
+    assert output.prompt_logprobs is not None and output.stats["reused_tokens"] == 0
+    for position in range(1, len(prompt_ids)):
+        record = output.prompt_logprobs[position]
+        assert record is not None
+        check_position(record, reference[position - 1], prompt_ids[position], TOLERANCES["float64"])
