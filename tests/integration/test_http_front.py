@@ -187,7 +187,7 @@ def test_stop_string_cuts_the_text(server: ServerProcess) -> None:
 
 
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
-    ("max_tokens 0", {"max_tokens": 0}, "max_tokens"),
+    ("max_tokens -1", {"max_tokens": -1}, "max_tokens"),  # 0 is valid: score the prompt only
     ("max_tokens huge", {"max_tokens": 100_000}, "max_tokens"),
     ("max_tokens not an int", {"max_tokens": "8"}, "max_tokens"),
     ("n without beams", {"n": 2}, "n"),
@@ -231,7 +231,7 @@ def test_bad_field_is_400_naming_it(
 
 def test_bad_field_is_400_when_streaming_too(server: ServerProcess) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client_of(server).completions.create(model=MODEL, prompt="hello", max_tokens=0, stream=True)
+        client_of(server).completions.create(model=MODEL, prompt="hello", max_tokens=-1, stream=True)
     assert raised.value.body["param"] == "max_tokens"  # type: ignore[index]
 
 
