@@ -7,12 +7,16 @@ project's .venv, it cannot replace the pinned torch there. torch is pinned to th
 time (2 min of CPU) on this project's shared 2-core host while other jobs ran, from the local
 wheel mirror (pip resolves and installs ~90 packages).
 
-Usage: `python -m tests.helpers.lm_eval_venv` builds it and prints its lm_eval path.
+A test session that will run the lm-eval test starts the build in the background when it
+collects it (tests/conftest.py), so pip works while the other tests run; the test then waits on
+the same lock. Usage: `python -m tests.helpers.lm_eval_venv` builds it and prints its lm_eval path.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,16 +29,47 @@ VENV_DIR = REPO_ROOT / ".cache" / "lm-eval-venv"
 INSTALL_TIMEOUT_S = 1200.0
 
 
+def is_built(venv_dir: Path = VENV_DIR) -> bool:
+    return (venv_dir / ".complete").is_file() and (venv_dir / "bin" / "lm_eval").is_file()
+
+
+def start_background_build(venv_dir: Path = VENV_DIR) -> subprocess.Popen[bytes] | None:
+    """Builds the venv in a child process (its output in .cache/lm-eval-venv.log); None when built."""
+    if is_built(venv_dir):
+        return None
+    venv_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv_dir.parent / "lm-eval-venv.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.lm_eval_venv", str(venv_dir)],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its pip children form one group, ended together
+        )
+
+
+def stop_background_build(process: subprocess.Popen[bytes] | None, timeout_s: float = 30.0) -> None:
+    """Ends a build still running (the session is over); a half-made venv is made again next time."""
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout_s)
+
+
 def lm_eval_executable(venv_dir: Path = VENV_DIR) -> Path:
     """The venv's `lm_eval`, installing the venv first when it is missing or incomplete."""
     executable = venv_dir / "bin" / "lm_eval"
     marker = venv_dir / ".complete"  # written last: a half-made venv is made again
-    if marker.is_file() and executable.is_file():
+    if is_built(venv_dir):
         return executable
     venv_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(venv_dir.parent / "lm-eval-venv.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two test processes must not build it at once
-        if marker.is_file() and executable.is_file():
+        if is_built(venv_dir):
             return executable
         started = time.monotonic()
         print(f"lm-eval venv: creating {venv_dir} ({LM_EVAL_REQUIREMENT}, {TORCH_REQUIREMENT})", flush=True)
@@ -53,4 +88,4 @@ def lm_eval_executable(venv_dir: Path = VENV_DIR) -> Path:
 
 
 if __name__ == "__main__":
-    print(lm_eval_executable())
+    print(lm_eval_executable(Path(sys.argv[1]) if len(sys.argv) > 1 else VENV_DIR))
