@@ -340,6 +340,9 @@ class LLMEngine(ContextSide):
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        for request in self._requests.values():
+            if request.logprob_trie is not None:
+                request.logprob_trie.check_integrity()
         tables = list(self.scheduler.live_tables())
         tables.extend(self._prefilled.values())
         tables.extend(reservation.table for reservation in self._reservations.values())

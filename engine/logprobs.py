@@ -114,6 +114,16 @@ class LogprobTrie:
             node = child[0]
         return records
 
+    def check_integrity(self) -> None:
+        """Node ids are 0 .. num_nodes - 1, each made by exactly one edge; running beams sit on nodes."""
+        children = sorted(child for child, _ in self.edges.values())
+        if children != list(range(1, self.num_nodes)):
+            raise AssertionError(f"trie nodes {children[:8]}... are not 1 .. {self.num_nodes - 1}")
+        if any(not 0 <= node < self.num_nodes for node in self.running):
+            raise AssertionError(f"running beams on unknown nodes {self.running}")
+        if any(len(top) > self.num_top for top in self.top.values()):
+            raise AssertionError(f"a position keeps more than {self.num_top} alternatives")
+
     def _add_edge(self, node: int, token_id: int, logprob: float) -> None:
         if (node, token_id) not in self.edges:
             self.edges[(node, token_id)] = (self.num_nodes, logprob)

@@ -12,6 +12,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.logprobs import LogprobTrie
 from engine.types import TokenLogprob
 from tests.helpers.checkpoints import write_random_lfm2_checkpoint, write_random_llama_checkpoint
 
@@ -127,7 +128,13 @@ def replay_generated(
 def test_generated_logprobs_are_the_model_distribution(checkpoint: Path, params: SamplingParams) -> None:
     engine = make_engine(checkpoint, "float64")
     prompt_ids = prompt(20)
-    output = engine.generate(prompt_ids, params)
+    engine.add_request("scored", prompt_ids, params)
+    output = None
+    while output is None:
+        for step_output in engine.step():
+            engine.check_integrity()  # the live request's trie too
+            if step_output.finished:
+                output = step_output
     engine.check_integrity()
     assert len(output.beams) == params.beam_width
     for beam in output.beams:
@@ -159,3 +166,19 @@ def test_hybrid_prompt_logprobs_match_transformers(tmp_path: Path) -> None:
         record = output.prompt_logprobs[position]
         assert record is not None
         check_position(record, reference[position - 1], prompt_ids[position], TOLERANCES["float64"])
+
+
+def test_trie_walks_a_finished_beam_and_checks_itself() -> None:
+    trie = LogprobTrie(num_top=1)
+    trie.record_candidates([5, 6], [-0.1, -2.0])
+    trie.advance([0, 0], [5, 6], None)  # two running beams
+    trie.record_rows(torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]]), dim=-1), 2)
+    trie.advance([1], [0], None)  # beam 1 goes on; beam 0's best (token 1) finished there
+    trie.check_integrity()
+    finished = trie.walk([5, 1])
+    assert [record.token_id for record in finished] == [5, 1]
+    assert finished[0].top == ((5, -0.1),) and finished[1].top[0][0] == 1
+    assert math.isnan(trie.walk([7])[0].logprob)  # never a candidate
+    trie.running = [trie.num_nodes]
+    with pytest.raises(AssertionError):
+        trie.check_integrity()
