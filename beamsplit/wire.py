@@ -10,7 +10,7 @@ import grpc
 
 from beamsplit.v1 import common_pb2
 from engine.tokenizer import Tokenizer
-from engine.types import Beam, RequestOutput
+from engine.types import Beam, RequestOutput, TokenLogprob
 
 # ReleaseRequest.reason from a generation worker whose pull completed: the context worker counts
 # the pages it served on this release when it comes before the offer's own completion.
@@ -51,8 +51,32 @@ def beams_to_proto(beams: Sequence[Beam], tokenizer: Tokenizer) -> list[common_p
             cumulative_logprob=beam.cumulative_logprob,
             score=beam.score,
             finish_reason=beam.finish_reason,
+            logprobs=token_logprobs_to_proto(beam.logprobs or []),
         )
         for beam in beams
+    ]
+
+
+def token_logprobs_to_proto(records: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=record.token_id,
+            logprob=record.logprob,
+            top_token_ids=[token_id for token_id, _ in record.top],
+            top_logprobs=[logprob for _, logprob in record.top],
+        )
+        for record in records
+    ]
+
+
+def token_logprobs_from_proto(records: Sequence[common_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(
+            record.token_id,
+            record.logprob,
+            tuple(zip(record.top_token_ids, record.top_logprobs, strict=True)),
+        )
+        for record in records
     ]
 
 
@@ -63,6 +87,7 @@ def beams_from_proto(beams: Sequence[common_pb2.Beam]) -> list[Beam]:
             cumulative_logprob=beam.cumulative_logprob,
             score=beam.score,
             finish_reason=beam.finish_reason,
+            logprobs=token_logprobs_from_proto(beam.logprobs) if beam.logprobs else None,
         )
         for beam in beams
     ]

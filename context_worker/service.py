@@ -33,6 +33,7 @@ from beamsplit.server.log_context import request_context
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.wire import PULLED_REASON, ServiceError
 from engine.block_allocator import OutOfBlocksError, PoolTooSmallError
+from engine.types import TokenLogprob
 from transfer import TransferAgent, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class HeldPrompt:
     recurrent_state: bytes  # hybrid models: the state after the prompt; empty otherwise
     num_tokens_before_hybrid_pruning: int
     prefill_ms: float
+    prompt_logprobs: list[TokenLogprob] | None = None  # positions 1 .. P-1, when asked
 
 
 @dataclass
@@ -112,7 +114,9 @@ class ContextService:
         salt: bytes,
         lease_s: float,
         is_caller_gone: Callable[[], bool] = lambda: False,
+        prompt_logprobs: int | None = None,
     ) -> HeldPrompt:
+        """prompt_logprobs (k, or None): also score every prompt position (engine/logprobs.py)."""
         lease_s = lease_s if lease_s > 0 else self._default_lease_s
         engine_request_id = f"{request_id}#{attempt}"
         started = time.perf_counter()
@@ -121,7 +125,9 @@ class ContextService:
             if self._prefill_delay_s:
                 time.sleep(self._prefill_delay_s)  # on the engine thread: later prefills queue
             # Allocates now: a full pool raises here (OutOfBlocksError), holding nothing.
-            engine.add_prefill(engine_request_id, prompt_ids, num_candidates, salt=salt)
+            engine.add_prefill(
+                engine_request_id, prompt_ids, num_candidates, salt=salt, prompt_logprobs=prompt_logprobs
+            )
 
         stream = self._loop.open_stream(engine_request_id)
         try:
@@ -186,6 +192,7 @@ class ContextService:
             num_tokens_before_hybrid_pruning=result.num_tokens_before_hybrid_pruning,
             lease_deadline_unix_ms=_monotonic_to_unix_ms(offer.expires_at),
             prefill_ms=prefill_s * 1000.0,
+            prompt_logprobs=result.prompt_logprobs,
         )
 
     def release(self, transfer_id: str, reason: str) -> bool:

@@ -17,9 +17,10 @@ from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.server.status import worker_load
 from beamsplit.server.worker_validation import check_id, check_num_candidates, check_token_ids
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from beamsplit.wire import ServiceError
+from beamsplit.wire import ServiceError, token_logprobs_to_proto
 from context_worker.service import ContextService
 from engine.block_allocator import OutOfBlocksError
+from engine.config import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
                 salt=bytes(request.salt),
                 lease_s=request.lease_s,
                 is_caller_gone=lambda: not context.is_active() or self._gate.is_aborting,
+                prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
             )
         except ValueError as error:
             abort(grpc.StatusCode.INVALID_ARGUMENT, f"context worker: {error}")
@@ -123,7 +125,11 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
             recurrent_state=held.recurrent_state,
             num_tokens_before_hybrid_pruning=held.num_tokens_before_hybrid_pruning,
         )
-        return worker_pb2.PrefillResponse(handoff=handoff, prefill_ms=held.prefill_ms)
+        return worker_pb2.PrefillResponse(
+            handoff=handoff,
+            prefill_ms=held.prefill_ms,
+            prompt_logprobs=token_logprobs_to_proto(held.prompt_logprobs or []),
+        )
 
     def _check_prefill(self, request: worker_pb2.PrefillRequest) -> None:
         check_id(request.request_id, "request_id")
@@ -134,6 +140,10 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
                 f"{self._info.max_model_len} positions"
             )
         check_num_candidates(request.num_candidates, self._info.vocab_size)
+        if request.HasField("prompt_logprobs") and not 0 <= request.prompt_logprobs <= MAX_LOGPROBS:
+            raise RequestValidationError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {request.prompt_logprobs}"
+            )
 
     def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.ServicerContext

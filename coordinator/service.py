@@ -148,16 +148,19 @@ class CoordinatorService:
             prompt_ids = validated.prompt_ids
             sampling = sampling_params_to_proto(validated.params)
             num_candidates = _num_candidates(sampling, self._limits.vocab_size)
+            prefill_request = worker_pb2.PrefillRequest(
+                request_id=routed_id,
+                attempt=attempt,
+                prompt_token_ids=prompt_ids,
+                num_candidates=num_candidates,
+                salt=validated.salt,
+                lease_s=self._settings.lease_s,
+            )
+            if sampling.HasField("prompt_logprobs"):
+                prefill_request.prompt_logprobs = sampling.prompt_logprobs
             try:
                 prefill = context_worker.stub.Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=routed_id,
-                        attempt=attempt,
-                        prompt_token_ids=prompt_ids,
-                        num_candidates=num_candidates,
-                        salt=validated.salt,
-                        lease_s=self._settings.lease_s,
-                    ),
+                    prefill_request,
                     timeout=self._timeout(time_remaining, self._settings.prefill_timeout_s),
                 )
             except grpc.RpcError as error:
@@ -190,6 +193,8 @@ class CoordinatorService:
                         )
                         stats.context_worker = context_worker.address
                         stats.generation_worker = generation_worker.address
+                        # Scored on the context side, during its prefill (docs/http.md).
+                        response.final.prompt_logprobs.extend(prefill.prompt_logprobs)
                     yield response
                     if response.HasField("final"):
                         return
@@ -289,9 +294,14 @@ def _pool_full_message(full_workers: dict[str, str]) -> str:
 
 
 def _num_candidates(sampling: common_pb2.SamplingOptions, vocab_size: int) -> int:
-    # Beam search needs the top 2W, greedy the top 1, sampling its top-k (0: the whole vocabulary).
+    # Beam search needs the top 2W, greedy the top 1, sampling its top-k (0: the whole vocabulary);
+    # with logprobs k, at least the first token's k alternatives (more candidates choose the same).
     if sampling.beam_width > 1:
-        return 2 * sampling.beam_width
-    if sampling.temperature == 0:
-        return 1
-    return sampling.top_k if sampling.top_k > 0 else vocab_size
+        needed = 2 * sampling.beam_width
+    elif sampling.temperature == 0:
+        needed = 1
+    else:
+        needed = sampling.top_k if sampling.top_k > 0 else vocab_size
+    if sampling.HasField("logprobs"):
+        needed = min(vocab_size, max(needed, sampling.logprobs))
+    return needed

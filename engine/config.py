@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's bound)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,11 @@ class SamplingParams:
     # A sequence ends at the token whose text completes one of these (engine/stop_strings.py);
     # with beam search a candidate that completes one ends as one ending on eos does.
     stop_strings: tuple[str, ...] = ()
+    # Scoring (engine/logprobs.py): None off; k >= 0 reports each returned token's log-prob (and
+    # the best k at its position); prompt_logprobs does the same for every prompt position after
+    # the first, which makes the request skip the prefix cache (its positions need logits).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     MAX_BEAM_WIDTH = 64
     MAX_ABS_LENGTH_PENALTY = 16.0
@@ -147,6 +153,9 @@ class SamplingParams:
                     f"stop_strings[{index}] must be a string of 1 to {self.MAX_STOP_STRING_CHARS} "
                     f"characters, got {string!r}"
                 )
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def num_candidates(self) -> int:

@@ -47,7 +47,12 @@ class ContextSide:
         def _commit_prompt(self, request: Request, num_tokens: int | None = None) -> None: ...
 
     def add_prefill(
-        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        num_candidates: int,
+        salt: bytes = b"",
+        prompt_logprobs: int | None = None,
     ) -> None:
         """Queue a prefill with one beam; the prompt's blocks are allocated now.
 
@@ -56,7 +61,8 @@ class ContextSide:
         finished RequestOutput whose `prefill` holds the PrefillResult. num_candidates <= 0 asks
         for the whole vocabulary. Raises OutOfBlocksError (nothing held) when the pool cannot take
         the prompt now, PoolTooSmallError when it never can; `abort` drops it at any point and
-        frees its blocks.
+        frees its blocks. prompt_logprobs (k, or None): the result carries every position's
+        log-prob and best k (SamplingParams.prompt_logprobs); the prompt then skips the prefix cache.
         """
         check_prompt(self.model_config, prompt_ids, 0)
         if request_id in self._prefilled or request_id in self._requests:
@@ -66,25 +72,32 @@ class ContextSide:
         check_fits_pool(
             request_id, f"{num_prompt_blocks} blocks for its prompt", num_prompt_blocks, pool_blocks
         )
-        request = Request(request_id, list(prompt_ids), SamplingParams(), None, salt)
+        params = SamplingParams(prompt_logprobs=prompt_logprobs)
+        request = Request(request_id, list(prompt_ids), params, None, salt)
         request.prefill_num_candidates = num_candidates
         self.scheduler.add_prefill_only(request)
         self._requests[request_id] = request
 
     def prefill(
-        self, request_id: str, prompt_ids: list[int], num_candidates: int, salt: bytes = b""
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        num_candidates: int,
+        salt: bytes = b"",
+        prompt_logprobs: int | None = None,
     ) -> PrefillResult:
         """`add_prefill` run to its end now, alone: chunks under the token budget, no other
         request advances. Raises OutOfBlocksError (nothing held) when the pool cannot take it."""
-        self.add_prefill(request_id, prompt_ids, num_candidates, salt)
+        self.add_prefill(request_id, prompt_ids, num_candidates, salt, prompt_logprobs)
         request = self._requests[request_id]
         try:
             while True:
                 num_tokens = min(request.num_uncomputed_tokens, self.config.max_num_batched_tokens)
-                logprobs = self.runner.compute_logprobs([self._chunk_input(request, num_tokens)])
+                forward = self.runner.forward([self._chunk_input(request, num_tokens)])
+                request.prompt_scores.extend(forward.scores[0])
                 request.num_computed_tokens += num_tokens
                 if request.num_uncomputed_tokens == 0:
-                    return self._complete_prefill(request, logprobs[0])
+                    return self._complete_prefill(request, forward.logprobs[0])
         except BaseException:
             self.abort(request_id)
             raise
@@ -113,4 +126,5 @@ class ContextSide:
             request.num_cached_tokens,
             recurrent_state=state,
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
+            prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,
         )  # fmt: skip

@@ -120,6 +120,7 @@ class KVCacheManager:
         salt: bytes = b"",
         allow_partial_reuse: bool | None = None,
         prune_to_snapshots: bool | None = None,
+        reuse_prefix: bool = True,
     ) -> PromptAllocation:
         """Blocks for a prompt, reusing what the tree holds. All-or-nothing.
 
@@ -133,6 +134,7 @@ class KVCacheManager:
 
         prune_to_snapshots (default: has_recurrent_state) cuts the match to a snapshot; a side
         that receives the prompt's final state instead (a generation worker) turns it off.
+        reuse_prefix False looks nothing up (a scored prompt needs every position's logits).
         """
         if not token_ids:
             raise ValueError("token_ids must not be empty")
@@ -140,7 +142,7 @@ class KVCacheManager:
             allow_partial_reuse = self.config.enable_partial_reuse
         if prune_to_snapshots is None:
             prune_to_snapshots = self.has_recurrent_state
-        match = self.tree.match(token_ids[:-1], salt, allow_partial_reuse)
+        match = self.tree.match(token_ids[:-1] if reuse_prefix else [], salt, allow_partial_reuse)
         num_before_pruning, snapshot_block_id = match.num_matched_tokens, None
         if prune_to_snapshots:
             pruned = prune_to_snapshot(match, self.tree)

@@ -31,6 +31,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
+from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.loader import load_model
 from engine.packed_linear import warm_up_linear_layers
@@ -40,7 +41,7 @@ from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
 from engine.stop_strings import StopStringMatcher
-from engine.types import EngineCounters, KVRegion, PromptReservation, RequestOutput
+from engine.types import EngineCounters, KVRegion, PromptReservation, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +145,13 @@ class LLMEngine(ContextSide):
             )
         if not seqs:
             return outputs
-        logprobs = self.runner.compute_logprobs(seqs)  # [B, V] float32
+        forward = self.runner.forward(seqs)
+        logprobs = forward.logprobs  # [B, V] float32
         started: list[Request] = []
         for row, chunk in enumerate(batch.prefills):
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_tokens
+            request.prompt_scores.extend(forward.scores[row])
             if not chunk.is_last:
                 # The logits of a chunk's last token are not needed; more chunks follow. Its full
                 # blocks are published now, so a prompt admitted meanwhile reuses them.
@@ -166,7 +169,15 @@ class LLMEngine(ContextSide):
         row = len(batch.prefills)
         for request in batch.decodes:
             num_beams = len(request.tables)
-            request.record_step(request.active_decoder.step(logprobs[row : row + num_beams]))
+            rows = logprobs[row : row + num_beams]  # [W, V]
+            trie = request.logprob_trie
+            if trie is not None:
+                # Beam search draws its 2W candidates from each row's best 2W.
+                trie.record_rows(rows, 2 * num_beams)
+            step = request.active_decoder.step(rows)
+            if trie is not None:
+                trie.advance(step.parent_indices, step.token_ids, rows)
+            request.record_step(step)
             row += num_beams
         for request in started + batch.decodes:
             is_done = request.active_decoder.is_done
@@ -281,6 +292,9 @@ class LLMEngine(ContextSide):
         # The decoder checks the candidates before anything else changes: a refusal leaves the
         # reservation as it was.
         first_step = request.active_decoder.start(list(candidate_ids), list(candidate_logprobs))
+        if request.logprob_trie is not None:
+            request.logprob_trie.record_candidates(list(candidate_ids), list(candidate_logprobs))
+            request.logprob_trie.advance(first_step.parent_indices, first_step.token_ids, None)
         if self.state_pool is not None:
             if len(recurrent_state) != self.state_pool.state_bytes:
                 raise ValueError(
@@ -342,6 +356,9 @@ class LLMEngine(ContextSide):
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        for request in self._requests.values():
+            if request.logprob_trie is not None:
+                request.logprob_trie.check_integrity()
         tables = list(self.scheduler.live_tables())
         tables.extend(self._prefilled.values())
         tables.extend(reservation.table for reservation in self._reservations.values())
@@ -364,14 +381,20 @@ class LLMEngine(ContextSide):
         table, start = request.tables[0], request.num_computed_tokens
         end = start + num_tokens
         new_ids = request.prompt_ids[start:end]
+        targets, num_top = request.score_targets(start, end), request.params.prompt_logprobs or 0
         if self.state_pool is None:
-            return SequenceInput(table.block_ids, start, new_ids)
+            return SequenceInput(
+                table.block_ids, start, new_ids, score_target_ids=targets, score_num_top=num_top
+            )
         snapshots = [
             (position, block_id)
             for position, block_id in self._prompt_snapshots(request)
             if start < position <= end
         ]
-        return SequenceInput(table.block_ids, start, new_ids, request.state_slot_ids[0], snapshots)
+        return SequenceInput(
+            table.block_ids, start, new_ids, request.state_slot_ids[0], snapshots,
+            score_target_ids=targets, score_num_top=num_top,
+        )  # fmt: skip
 
     def _prompt_snapshots(self, request: Request) -> list[tuple[int, int]]:
         """(num_tokens, block_id) of every snapshot the prefill of the uncached tokens stores."""
@@ -424,13 +447,23 @@ class LLMEngine(ContextSide):
         )
         stop_matcher = StopStringMatcher(self.tokenizer, params.stop_strings) if params.stop_strings else None
         decoder = make_decoder(params, eos_token_id, seed, stop_matcher)
-        return Request(request_id, list(prompt_ids), params, decoder, salt)
+        request = Request(request_id, list(prompt_ids), params, decoder, salt)
+        if params.logprobs is not None:
+            request.logprob_trie = LogprobTrie(params.logprobs)
+        return request
 
     def _start_decoding(self, request: Request, logprobs: torch.Tensor) -> None:
         """logprobs: [V] of the last prompt position; the same candidates a context worker ships."""
         candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.params.num_candidates)
         request.state = RequestState.DECODING
-        request.record_step(request.active_decoder.start(candidate_ids, candidate_logprobs))
+        step = request.active_decoder.start(candidate_ids, candidate_logprobs)
+        trie = request.logprob_trie
+        if trie is not None:
+            width = request.params.beam_width
+            top_ids, top_logprobs = candidates_from_logprobs(logprobs, max(trie.num_top, 2 * width))
+            trie.record_candidates(top_ids, top_logprobs)
+            trie.advance(step.parent_indices, step.token_ids, logprobs[None])
+        request.record_step(step)
 
     def _progress(self, request: Request) -> RequestOutput:
         deltas, parents = request.take_deltas()
@@ -443,8 +476,15 @@ class LLMEngine(ContextSide):
             return RequestOutput(request.request_id, [], True, stats=request.stats(), error=request.error)
         # The last step's running beams are not the answer: the final output carries whole beams.
         request.take_deltas()
+        beams = request.active_decoder.final_beams()
+        trie = request.logprob_trie
+        if trie is not None:
+            beams = [replace(beam, logprobs=trie.walk(beam.token_ids)) for beam in beams]
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+        if request.wants_prompt_logprobs:
+            prompt_logprobs = [None, *request.prompt_scores]
         return RequestOutput(
-            request.request_id, [], True, request.active_decoder.final_beams(), request.stats()
+            request.request_id, [], True, beams, request.stats(), prompt_logprobs=prompt_logprobs
         )
 
     def _check_new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:

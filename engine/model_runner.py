@@ -7,7 +7,11 @@ Any mix of prompt chunks and single decode tokens.
 Log-probs are `log_softmax` of the logits cast to float32, as transformers' `generate` computes
 them whatever the model's dtype: beam search arithmetic is then identical to the reference.
 
-Dimensions: B sequences, N new tokens in the batch, V vocabulary.
+Scoring rows (a prompt's every position, engine/logprobs.py) go through the final norm and the LM
+head SCORE_ROW_CHUNK at a time, outside the batch's row layout: [P, V] never exists for a long
+prompt, and each row's numbers still depend on nothing but the row.
+
+Dimensions: B sequences, N new tokens in the batch, V vocabulary, C scoring rows of one chunk.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ import torch
 from engine.attention import AttentionMetadata, prepare_attention
 from engine.batch_invariant import make_row_layout, row_layout
 from engine.kv_pool import KVPool
+from engine.logprobs import score_rows
 from engine.models.lfm2 import Lfm2Model
 from engine.models.loader import Model
 from engine.models.short_conv import RecurrentMetadata, prepare_recurrent
 from engine.state_pool import StatePool
+from engine.types import TokenLogprob
+
+SCORE_ROW_CHUNK = 128  # scoring rows per LM-head call: [C, V] float32 is 25 MB for a 49k vocabulary
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,16 @@ class SequenceInput:
     is_decode: bool = False
     # Decode steps only: the request's beam count W (its W sequences sit together in the batch).
     num_beams: int = 1
+    # Scoring a prompt: the tokens that follow its first len(score_target_ids) new tokens; those
+    # rows' log-probs (the target's and the best score_num_top) come back with the pass.
+    score_target_ids: Sequence[int] = ()
+    score_num_top: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logprobs: torch.Tensor  # [B, V] float32, each sequence's last new token
+    scores: list[list[TokenLogprob]]  # [B] lists, one record per score target (empty: none asked)
 
 
 @dataclass(frozen=True)
@@ -103,6 +121,10 @@ class ModelRunner:
     def compute_logprobs(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
         """Writes the new tokens' K/V (and states) into the pools; returns [B, V] float32 log-probs
         on the CPU."""
+        return self.forward(seqs).logprobs
+
+    def forward(self, seqs: Sequence[SequenceInput]) -> ForwardOutput:
+        """compute_logprobs, plus the scoring rows each sequence asked for."""
         batch = self.prepare_batch(seqs)
         positions = batch.metadata.positions
         layout: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -112,9 +134,26 @@ class ModelRunner:
             )
         with layout:
             if isinstance(self.model, Lfm2Model):
-                logits = self.model(
+                hidden = self.model.hidden_states(
                     batch.input_ids, positions, self.kv_pool, batch.metadata, self.state_pool, batch.recurrent
-                )  # [B, V]
+                )  # [N, E]
             else:
-                logits = self.model(batch.input_ids, positions, self.kv_pool, batch.metadata)  # [B, V]
-        return torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()
+                hidden = self.model.hidden_states(batch.input_ids, positions, self.kv_pool, batch.metadata)
+            logits = self.model.compute_logits(hidden[batch.metadata.logits_indices])  # [B, V]
+        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()
+        return ForwardOutput(logprobs, self._score(hidden, seqs, batch.metadata.query_start_loc.tolist()))
+
+    def _score(
+        self, hidden: torch.Tensor, seqs: Sequence[SequenceInput], starts: list[int]
+    ) -> list[list[TokenLogprob]]:
+        """hidden: [N, E]; sequence b's rows start at starts[b]."""
+        scores: list[list[TokenLogprob]] = []
+        for seq, start in zip(seqs, starts, strict=False):
+            records: list[TokenLogprob] = []
+            targets = list(seq.score_target_ids)
+            for first in range(0, len(targets), SCORE_ROW_CHUNK):
+                chunk = targets[first : first + SCORE_ROW_CHUNK]
+                rows = hidden[start + first : start + first + len(chunk)]  # [C, E]
+                records.extend(score_rows(self.model.compute_logits(rows).cpu(), chunk, seq.score_num_top))
+            scores.append(records)
+        return scores

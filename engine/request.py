@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from engine.beam_search import BeamSearch, BeamSearchParams, BeamStep
 from engine.config import SamplingParams
 from engine.kv_cache import BlockTable, num_distinct_blocks
+from engine.logprobs import LogprobTrie
 from engine.sampling import SingleSequence
 from engine.stop_strings import StopStringMatcher
+from engine.types import TokenLogprob
 
 Decoder = BeamSearch | SingleSequence
 
@@ -103,6 +105,10 @@ class Request:
     copied_blocks: int = 0
     num_steps: int = 0
     times: RequestTimes = field(default_factory=RequestTimes)
+    # Scoring: prompt positions 1 .. num_computed_tokens - 1 so far (prompt_logprobs asked), and
+    # the beams' generated tokens (logprobs asked).
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    logprob_trie: LogprobTrie | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -115,6 +121,17 @@ class Request:
     @property
     def is_prefill_only(self) -> bool:
         return self.prefill_num_candidates is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position needs its logits: the prompt skips the prefix cache."""
+        return self.params.prompt_logprobs is not None
+
+    def score_targets(self, start: int, end: int) -> list[int]:
+        """The tokens following prompt positions [start, end) that have a following prompt token."""
+        if not self.wants_prompt_logprobs:
+            return []
+        return self.prompt_ids[start + 1 : end + 1]
 
     @property
     def num_uncomputed_tokens(self) -> int:

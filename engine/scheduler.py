@@ -128,7 +128,9 @@ class Scheduler:
                 f"need {request.num_beams} state slots, {self.state_pool.num_free_slots()} free"
             )
         before = self._stats_before()
-        allocation = self.kv_cache.allocate_prompt(request.prompt_ids, request.salt)
+        allocation = self.kv_cache.allocate_prompt(
+            request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs
+        )
         self._install_prompt(request, allocation, before)
         request.state = RequestState.PREFILLING
         request.times.admitted = time.monotonic()
@@ -281,7 +283,9 @@ class Scheduler:
         stats = self.kv_cache.stats
         before = self._stats_before()
         try:
-            allocation = self.kv_cache.allocate_prompt(request.prompt_ids, request.salt)
+            allocation = self.kv_cache.allocate_prompt(
+                request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs
+            )
         except OutOfBlocksError:
             return False
         request.tables = [allocation.table]

@@ -6,12 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-prob of its token (engine/logprobs.py computes them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the position's best (token id, log-prob), best first
+
+
+@dataclass(frozen=True)
 class Beam:
     # Generated tokens only, ending with eos (or the token completing a stop string) when it stopped.
     token_ids: list[int]
     cumulative_logprob: float
     score: float  # what transformers reports as sequences_scores
     finish_reason: str  # "stop" | "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked
 
 
 @dataclass
@@ -27,6 +37,8 @@ class RequestOutput:
     parent_indices: list[int] = field(default_factory=list)
     # Context side (LLMEngine.add_prefill): set on the finished output of a prefill-only request.
     prefill: PrefillResult | None = None
+    # Finished output of a request with prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,8 @@ class PrefillResult:
     # (engine/state_pool.py layout); empty for a model without recurrent layers.
     recurrent_state: bytes = b""
     num_tokens_before_hybrid_pruning: int = 0  # what the pages alone supported (>= reused_tokens)
+    # Asked with prompt_logprobs: positions 1 .. P-1 (position 0 has no log-prob).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

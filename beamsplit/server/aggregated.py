@@ -16,7 +16,13 @@ from beamsplit.server.engine_loop import EngineLoop, EngineLoopError, RequestDro
 from beamsplit.server.request_validation import ModelLimits, RequestValidationError, validate_generate_request
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import common_pb2, coordinator_pb2
-from beamsplit.wire import ServiceError, beams_to_proto, delta_to_proto, engine_stats_to_map
+from beamsplit.wire import (
+    ServiceError,
+    beams_to_proto,
+    delta_to_proto,
+    engine_stats_to_map,
+    token_logprobs_to_proto,
+)
 from engine.tokenizer import Tokenizer
 
 AGGREGATED_WORKER_NAME = "aggregated"
@@ -89,7 +95,11 @@ class AggregatedService:
                         engine=engine_stats_to_map(output.stats),
                     )
                     final = common_pb2.FinalResult(
-                        beams=beams_to_proto(output.beams, self._tokenizer), stats=stats
+                        beams=beams_to_proto(output.beams, self._tokenizer),
+                        stats=stats,
+                        prompt_logprobs=token_logprobs_to_proto(
+                            [record for record in output.prompt_logprobs or [] if record is not None]
+                        ),
                     )
                     yield common_pb2.GenerateResponse(request_id=request_id, final=final)
         except ValueError as error:  # the engine refused the parameters for its configuration

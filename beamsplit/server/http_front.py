@@ -160,32 +160,51 @@ class OpenAIFront:
         return await self._serve(request, parsed, is_chat=True)
 
     async def _serve(self, request: Request, parsed: CompletionRequest, is_chat: bool) -> Response:
-        call = BackendCall(self._backend, parsed.request, self._gate, self._metrics, self._role, self._slots)
-        call.start()
+        # One backend call per prompt (a batch of prompts runs side by side), choices in prompt order.
+        calls = [
+            BackendCall(self._backend, prompt, self._gate, self._metrics, self._role, self._slots)
+            for prompt in parsed.all_requests
+        ]
+        for started in calls:
+            started.start()
+        call = calls[0]  # a streamed request has one prompt
         prefix = "chatcmpl" if is_chat else "cmpl"
         writer = ResponseWriter(
-            parsed, self._model_name, is_chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+            parsed,
+            self._model_name,
+            is_chat,
+            f"{prefix}-{uuid.uuid4().hex}",
+            int(time.time()),
+            self._tokenizer,
         )
         try:
             first = await call.next(request)  # validation and admission errors keep their status
             if not parsed.is_stream:
-                response = first
-                while response is not None and not response.HasField("final"):
-                    response = await call.next(request)
-                if response is None:
-                    raise ServiceError(
-                        grpc.StatusCode.INTERNAL, f"{self._role}: the request ended without a result"
-                    )
-                return JSONResponse(writer.response(response.final))
+                finals = [await self._final(call, request, first)]
+                for other in calls[1:]:
+                    finals.append(await self._final(other, request, await other.next(request)))
+                return JSONResponse(writer.response(finals))
         except ServiceError as error:
-            call.cancel()
+            for started in calls:
+                started.cancel()
             return _service_error_response(error, parsed)
         except BaseException:  # this task cancelled (uvicorn's shutdown timeout): stop the backend too
-            call.cancel()
+            for started in calls:
+                started.cancel()
             raise
         return StreamingResponse(
             self._events(call, first, parsed, writer, is_chat), media_type="text/event-stream"
         )
+
+    async def _final(
+        self, call: BackendCall, request: Request, response: common_pb2.GenerateResponse | None
+    ) -> common_pb2.FinalResult:
+        """Reads one call to its final result (deltas skipped)."""
+        while response is not None and not response.HasField("final"):
+            response = await call.next(request)
+        if response is None:
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"{self._role}: the request ended without a result")
+        return response.final
 
     async def _events(
         self,

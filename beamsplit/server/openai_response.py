@@ -14,6 +14,12 @@ from typing import Any
 
 import grpc
 
+from beamsplit.server.openai_logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_text,
+    prompt_token_ids,
+)
 from beamsplit.server.openai_wire import CompletionRequest
 from beamsplit.v1 import common_pb2
 from engine.tokenizer import Tokenizer
@@ -42,6 +48,7 @@ class Choice:
     token_ids: list[int]
     cumulative_logprob: float
     score: float
+    logprobs: dict[str, Any] | None = None  # OpenAI's shape (openai_logprobs), when asked
 
     def extension(self) -> dict[str, Any]:
         return {
@@ -51,16 +58,47 @@ class Choice:
         }
 
 
-def final_choices(final: common_pb2.FinalResult, parsed: CompletionRequest) -> list[Choice]:
-    """The best `n` beams, best first; a stop string cuts the one sequence's text."""
+def final_choices(
+    final: common_pb2.FinalResult,
+    parsed: CompletionRequest,
+    tokenizer: Tokenizer | None = None,
+    prompt_index: int = 0,
+    is_chat: bool = False,
+) -> list[Choice]:
+    """The best `n` beams of prompt `prompt_index`, best first (choice indices continue the earlier
+    prompts'); a stop string cuts the one sequence's text. With a tokenizer: echo and logprobs."""
     choices = []
+    request = parsed.all_requests[prompt_index]
+    echo_text = prompt_text(request, tokenizer) if parsed.echo and tokenizer is not None else ""
     for index, beam in enumerate(final.beams[: parsed.num_choices]):
         text, finish_reason = beam.text, beam.finish_reason
+        token_ids, generated = list(beam.token_ids), list(beam.logprobs)
+        if parsed.drops_generated:  # max_tokens 0: the one token decided is not part of the answer
+            text, finish_reason, token_ids, generated = "", "length", [], []
         cut = first_stop(text, parsed.stop)
         if cut is not None:
             text, finish_reason = text[:cut], "stop"
+        logprobs = None
+        if parsed.num_logprobs is not None and tokenizer is not None:
+            if is_chat:
+                logprobs = chat_logprobs(tokenizer, generated)
+            elif parsed.echo:
+                first_token_id = prompt_token_ids(request, tokenizer)[0]
+                logprobs = completion_logprobs(
+                    tokenizer, first_token_id, [*final.prompt_logprobs, *generated]
+                )
+            else:
+                logprobs = completion_logprobs(tokenizer, None, generated)
         choices.append(
-            Choice(index, text, finish_reason, list(beam.token_ids), beam.cumulative_logprob, beam.score)
+            Choice(
+                prompt_index * parsed.num_choices + index,
+                echo_text + text,
+                finish_reason,
+                token_ids,
+                beam.cumulative_logprob,
+                beam.score,
+                logprobs,
+            )  # fmt: skip
         )
     return choices
 
@@ -125,19 +163,33 @@ class ResponseWriter:
     """Builds the JSON objects of one completion or chat completion, streamed or not."""
 
     def __init__(
-        self, parsed: CompletionRequest, model_name: str, is_chat: bool, response_id: str, created: int
+        self,
+        parsed: CompletionRequest,
+        model_name: str,
+        is_chat: bool,
+        response_id: str,
+        created: int,
+        tokenizer: Tokenizer | None = None,
     ):
+        """tokenizer: for echo and logprobs (without one they are left out)."""
+        self._tokenizer = tokenizer
         self._parsed = parsed
         self._model_name = model_name
         self._is_chat = is_chat
         self._id = response_id
         self._created = created
 
-    def response(self, final: common_pb2.FinalResult) -> dict[str, Any]:
-        choices = final_choices(final, self._parsed)
+    def response(self, finals: Sequence[common_pb2.FinalResult]) -> dict[str, Any]:
+        """finals: one per prompt, in the request's order."""
         body = self._envelope("chat.completion" if self._is_chat else "text_completion")
-        body["choices"] = [self._full_choice(choice) for choice in choices]
-        body["usage"] = usage(final, choices)
+        body["choices"] = []
+        totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for prompt_index, final in enumerate(finals):
+            choices = final_choices(final, self._parsed, self._tokenizer, prompt_index, self._is_chat)
+            body["choices"].extend(self._full_choice(choice) for choice in choices)
+            for name, count in usage(final, choices).items():
+                totals[name] += count
+        body["usage"] = totals
         return body
 
     def chunk(
@@ -167,7 +219,7 @@ class ResponseWriter:
             body["message"] = {"role": "assistant", "content": choice.text}
         else:
             body["text"] = choice.text
-        body["logprobs"] = None
+        body["logprobs"] = choice.logprobs
         body["finish_reason"] = choice.finish_reason
         body.update(choice.extension())
         return body

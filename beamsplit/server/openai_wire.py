@@ -15,12 +15,16 @@ Field mapping (docs/http.md has the table for users):
     temperature (default 1, 0 with beams), top_p, top_k, seed, ignore_eos -> the same fields
     stop (strings)                 -> sampling.stop_strings (the engine ends each sequence or beam
                                       there); the front also cuts the text before the first one
+    logprobs k (completions), logprobs + top_logprobs k (chat) -> sampling.logprobs
+    echo with logprobs k           -> sampling.prompt_logprobs (every prompt position scored)
+    max_tokens 0                   -> sampling.max_new_tokens 1, its token dropped by the front
+    prompt: several prompts        -> one GenerateRequest each (`requests`), choices in prompt order
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from beamsplit.server.request_validation import EARLY_STOPPING_TO_PROTO
@@ -31,6 +35,8 @@ from engine.tokenizer import Tokenizer
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI samples with when the field is absent
 MAX_STOP_STRINGS = SamplingParams.MAX_STOP_STRINGS
+MAX_LOGPROBS = 20  # OpenAI's bound on logprobs / top_logprobs
+MAX_PROMPTS = 64  # prompts in one completions request (lm-eval batches send several)
 
 _COMMON_FIELDS = frozenset(
     {
@@ -77,39 +83,106 @@ class CompletionRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     prompt_param: str  # "prompt" or "messages", for errors about the prompt
     beam_width_param: str  # "best_of" or "n"
+    # Scoring: one request per prompt (`request` is the first); the prompt echoed before the
+    # generated text; per-token log-probs with `num_logprobs` alternatives (None: none asked);
+    # max_tokens 0, run as 1 token that the front drops.
+    requests: tuple[coordinator_pb2.GenerateRequest, ...] = ()
+    echo: bool = False
+    num_logprobs: int | None = None
+    drops_generated: bool = False
+
+    @property
+    def all_requests(self) -> tuple[coordinator_pb2.GenerateRequest, ...]:
+        return self.requests or (self.request,)
 
 
 def parse_completion_request(body: object, model_name: str) -> CompletionRequest:
     fields = _fields(body, COMPLETION_FIELDS, model_name)
-    if _bool(fields, "echo", False):
-        raise OpenAIRequestError("echo", "echo is not supported: the response holds generated text only")
+    echo = _bool(fields, "echo", False)
     if _str(fields, "suffix", "") != "":
         raise OpenAIRequestError("suffix", "suffix (insertion) is not supported")
-    _no_token_logprobs(fields, "logprobs", is_chat=False)
+    num_logprobs = _num_logprobs(fields, "logprobs")
+    prompts = _prompts(fields.get("prompt"))
+    parsed = _with_sampling(_prompt_request(prompts[0]), fields, "prompt", max_tokens_name="max_tokens")
+    if parsed.is_stream and (echo or num_logprobs is not None or len(prompts) > 1):
+        param = "echo" if echo else "logprobs" if num_logprobs is not None else "prompt"
+        raise OpenAIRequestError(param, f"{param}: not supported with stream (ask without streaming)")
+    sampling = parsed.request.sampling
+    if num_logprobs is not None:
+        sampling.logprobs = num_logprobs
+        if echo:
+            sampling.prompt_logprobs = num_logprobs
+    requests = []
+    for prompt in prompts:
+        request = _prompt_request(prompt)
+        request.sampling.CopyFrom(sampling)
+        requests.append(request)
+    return replace(
+        parsed,
+        request=requests[0],
+        requests=tuple(requests),
+        echo=echo,
+        num_logprobs=num_logprobs,
+        drops_generated=parsed.drops_generated,
+    )
+
+
+def _prompts(prompt: object) -> list[str | list[int]]:
+    """A string, a list of token ids, or a non-empty list of either (a batch)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        items: list[object] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        items = list(prompt)
+    else:
+        raise OpenAIRequestError(
+            "prompt", "prompt must be a string, a list of token ids, or a list of either"
+        )
+    if len(items) > MAX_PROMPTS:
+        raise OpenAIRequestError(
+            "prompt", f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(items)}"
+        )
+    prompts: list[str | list[int]] = []
+    for index, item in enumerate(items):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list) and all(_is_int(token) for token in item):
+            if not all(-(2**63) <= token < 2**63 for token in item):
+                raise OpenAIRequestError("prompt", f"prompt[{index}]: a token id is out of range")
+            prompts.append(list(item))
+        else:
+            raise OpenAIRequestError("prompt", f"prompt[{index}] must be a string or a list of token ids")
+    return prompts
+
+
+def _prompt_request(prompt: str | list[int]) -> coordinator_pb2.GenerateRequest:
     request = coordinator_pb2.GenerateRequest()
-    prompt = fields.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, list) and all(_is_int(token) for token in prompt):
-        if not all(-(2**63) <= token < 2**63 for token in prompt):
-            raise OpenAIRequestError("prompt", "prompt: a token id is out of range")
-        request.token_ids.CopyFrom(common_pb2.TokenIds(token_ids=prompt))
-    elif isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
-        raise OpenAIRequestError(
-            "prompt", "prompt: one prompt per request (a batch of prompts is not supported)"
-        )
     else:
-        raise OpenAIRequestError("prompt", "prompt must be a string or a list of token ids")
-    return _with_sampling(request, fields, "prompt", max_tokens_name="max_tokens")
+        request.token_ids.CopyFrom(common_pb2.TokenIds(token_ids=prompt))
+    return request
+
+
+def _num_logprobs(fields: dict[str, Any], name: str) -> int | None:
+    """logprobs k in [0, MAX_LOGPROBS] (completions); None when absent or false."""
+    value = fields.get(name)
+    if value is None or value is False:
+        return None
+    if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise OpenAIRequestError(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+    return int(value)
 
 
 def parse_chat_request(body: object, model_name: str, tokenizer: Tokenizer) -> CompletionRequest:
     fields = _fields(body, CHAT_FIELDS, model_name)
-    _no_token_logprobs(fields, "logprobs", is_chat=True)
-    if _int(fields, "top_logprobs", 0) != 0:
-        raise OpenAIRequestError("top_logprobs", "top_logprobs is not supported (no per-token log-probs)")
+    wants_logprobs = _bool(fields, "logprobs", False)
+    num_top = _int(fields, "top_logprobs", None, bits=32)
+    if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
+        raise OpenAIRequestError(
+            "top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {num_top}"
+        )
+    if num_top is not None and not wants_logprobs:
+        raise OpenAIRequestError("top_logprobs", "top_logprobs needs logprobs: true")
     template = tokenizer.chat_template
     if template is None:
         raise OpenAIRequestError(
@@ -126,7 +199,13 @@ def parse_chat_request(body: object, model_name: str, tokenizer: Tokenizer) -> C
         raise OpenAIRequestError("messages", f"messages: {error}") from error
     request = coordinator_pb2.GenerateRequest(text=text)
     max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-    return _with_sampling(request, fields, "messages", max_tokens_name=max_tokens_name)
+    parsed = _with_sampling(request, fields, "messages", max_tokens_name=max_tokens_name)
+    if not wants_logprobs:
+        return parsed
+    if parsed.is_stream:
+        raise OpenAIRequestError("logprobs", "logprobs: not supported with stream (ask without streaming)")
+    parsed.request.sampling.logprobs = num_top or 0
+    return replace(parsed, num_logprobs=num_top or 0)
 
 
 def openai_param(message: str, parsed: CompletionRequest) -> str | None:
@@ -192,7 +271,8 @@ def _with_sampling(
         options.temperature = OPENAI_DEFAULT_TEMPERATURE if temperature is None else temperature
     max_tokens = _int(fields, max_tokens_name, None, bits=32)
     if max_tokens is not None:
-        options.max_new_tokens = max_tokens
+        # 0 (score the prompt, generate nothing): the engine decides one token, which is dropped.
+        options.max_new_tokens = 1 if max_tokens == 0 else max_tokens
     length_penalty = _float(fields, "length_penalty", None)
     if length_penalty is not None:
         options.length_penalty = length_penalty
@@ -232,6 +312,7 @@ def _with_sampling(
         include_usage=include_usage,
         prompt_param=prompt_param,
         beam_width_param="best_of" if best_of is not None else "n",
+        drops_generated=max_tokens == 0,
     )
 
 
@@ -257,19 +338,6 @@ def _chat_message(message: object, index: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise OpenAIRequestError("messages", f"messages[{index}].content must be a string or text parts")
     return {"role": role, "content": content}
-
-
-def _no_token_logprobs(fields: dict[str, Any], name: str, is_chat: bool) -> None:
-    value = fields.get(name)
-    if value is None or value is False:
-        return
-    if is_chat and value is not True:
-        raise OpenAIRequestError(name, f"{name} must be a boolean")
-    raise OpenAIRequestError(
-        name,
-        f"{name}: per-token log-probs are not available; every choice carries its cumulative_logprob "
-        "(and beam score) instead",
-    )
 
 
 def _stop_strings(fields: dict[str, Any]) -> tuple[str, ...]:

@@ -98,7 +98,10 @@ def sampling_params_from_proto(
         "ignore_eos": options.ignore_eos,
         "stop_strings": tuple(options.stop_strings),
     }
-    for name in ("beam_width", "max_new_tokens", "length_penalty", "eos_token_id", "top_p", "seed"):
+    for name in (
+        "beam_width", "max_new_tokens", "length_penalty", "eos_token_id", "top_p", "seed", "logprobs",
+        "prompt_logprobs",
+    ):  # fmt: skip
         if options.HasField(name):
             values[name] = getattr(options, name)
     try:
@@ -134,4 +137,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingOptio
         options.eos_token_id = params.eos_token_id
     if params.seed is not None:
         options.seed = params.seed
+    if params.logprobs is not None:
+        options.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        options.prompt_logprobs = params.prompt_logprobs
     return options

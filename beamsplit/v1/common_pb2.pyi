@@ -17,7 +17,7 @@ EARLY_STOPPING_TRUE: EarlyStopping
 EARLY_STOPPING_NEVER: EarlyStopping
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("beam_width", "max_new_tokens", "length_penalty", "early_stopping", "eos_token_id", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_strings")
+    __slots__ = ("beam_width", "max_new_tokens", "length_penalty", "early_stopping", "eos_token_id", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_strings", "logprobs", "prompt_logprobs")
     BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class SamplingOptions(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     beam_width: int
     max_new_tokens: int
     length_penalty: float
@@ -40,7 +42,21 @@ class SamplingOptions(_message.Message):
     seed: int
     ignore_eos: bool
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
+    logprobs: int
+    prompt_logprobs: int
+    def __init__(self, beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., eos_token_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)
@@ -59,18 +75,20 @@ class Delta(_message.Message):
     def __init__(self, beams: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., parent_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Beam(_message.Message):
-    __slots__ = ("token_ids", "text", "cumulative_logprob", "score", "finish_reason")
+    __slots__ = ("token_ids", "text", "cumulative_logprob", "score", "finish_reason", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     cumulative_logprob: float
     score: float
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., cumulative_logprob: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., cumulative_logprob: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("prompt_tokens", "context_reused_tokens", "generation_reused_tokens", "transferred_blocks", "transferred_bytes", "transfer_ms", "ttft_ms", "e2e_ms", "context_worker", "generation_worker", "engine")
@@ -106,12 +124,14 @@ class RequestStats(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., context_reused_tokens: _Optional[int] = ..., generation_reused_tokens: _Optional[int] = ..., transferred_blocks: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., context_worker: _Optional[str] = ..., generation_worker: _Optional[str] = ..., engine: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class FinalResult(_message.Message):
-    __slots__ = ("beams", "stats")
+    __slots__ = ("beams", "stats", "prompt_logprobs")
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     beams: _containers.RepeatedCompositeFieldContainer[Beam]
     stats: RequestStats
-    def __init__(self, beams: _Optional[_Iterable[_Union[Beam, _Mapping]]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, beams: _Optional[_Iterable[_Union[Beam, _Mapping]]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "delta", "final")

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "attempt", "prompt_token_ids", "num_candidates", "salt", "lease_s")
+    __slots__ = ("request_id", "attempt", "prompt_token_ids", "num_candidates", "salt", "lease_s", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_candidates: int
     salt: bytes
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_candidates: _Optional[int] = ..., salt: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_candidates: _Optional[int] = ..., salt: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class PageLayout(_message.Message):
     __slots__ = ("region", "tokens_per_block", "page_bytes", "dtype", "model")
@@ -72,12 +74,14 @@ class Handoff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., ucx_address: _Optional[str] = ..., context_address: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_logprobs: _Optional[_Iterable[float]] = ..., secret: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., recurrent_state: _Optional[bytes] = ..., num_tokens_before_hybrid_pruning: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("handoff", "prefill_ms")
+    __slots__ = ("handoff", "prefill_ms", "prompt_logprobs")
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     handoff: Handoff
     prefill_ms: float
-    def __init__(self, handoff: _Optional[_Union[Handoff, _Mapping]] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, handoff: _Optional[_Union[Handoff, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("transfer_id", "reason")

@@ -302,6 +302,19 @@ class LlamaModel(nn.Module):
 
         Logits are float64 for a float64 model and float32 otherwise (bfloat16 is widened).
         """
+        hidden = self.hidden_states(input_ids, positions, kv_pool, metadata)  # [N, E]
+        # RMSNorm and lm_head are per token, so only the rows whose logits are wanted go through.
+        return self.compute_logits(hidden[metadata.logits_indices])  # [B, V]
+
+    @torch.no_grad()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [N] -> the last layer's output [N, E], before the final norm."""
         if kv_pool.dtype != self.dtype:
             raise ValueError(f"kv_pool dtype {kv_pool.dtype} differs from the model's {self.dtype}")
         hidden = self.embed(input_ids)  # [N, E]
@@ -309,7 +322,11 @@ class LlamaModel(nn.Module):
         for layer_index, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rotary[layer_index]]
             hidden = layer(hidden, cos, sin, kv_pool.layer_view(layer_index), metadata)
-        # RMSNorm and lm_head are per token, so only the rows whose logits are wanted go through.
-        last = self.norm(hidden[metadata.logits_indices])  # [B, E]
-        logits = softcap(self.lm_head(last), self.final_logit_softcapping)  # [B, V]
+        return hidden
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, E] (hidden_states' rows) -> logits [R, V], float64 or float32 (soft-capped
+        where the family caps them)."""
+        logits = softcap(self.lm_head(self.norm(hidden)), self.final_logit_softcapping)  # [R, V]
         return logits if logits.dtype == torch.float64 else logits.to(torch.float32)

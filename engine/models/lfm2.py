@@ -156,6 +156,20 @@ class Lfm2Model(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [N] -> logits [B, V] of each sequence's last new token; the
         sequences' states advance in their slots and the requested snapshots are stored."""
+        hidden = self.hidden_states(input_ids, positions, kv_pool, metadata, state_pool, recurrent)  # [N, E]
+        return self.compute_logits(hidden[metadata.logits_indices])  # [B, V]
+
+    @torch.no_grad()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        metadata: AttentionMetadata,
+        state_pool: StatePool | None = None,
+        recurrent: RecurrentMetadata | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [N] -> the last layer's output [N, E], before the final norm."""
         if state_pool is None or recurrent is None:
             raise ValueError("a hybrid model needs a state pool and recurrent metadata")
         hidden = self.embed_tokens(input_ids)  # [N, E]
@@ -170,6 +184,10 @@ class Lfm2Model(nn.Module):
                 state = (state_pool.slots[:, conv_index], state_pool.snapshots[:, conv_index], recurrent)
                 hidden = layer(hidden, cos, sin, None, metadata, state)
                 conv_index += 1
-        last = self.embedding_norm(hidden[metadata.logits_indices])  # [B, E]
-        logits = self.lm_head(last)  # [B, V]
+        return hidden
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, E] (hidden_states' rows) -> logits [R, V], float64 or float32."""
+        logits = self.lm_head(self.embedding_norm(hidden))  # [R, V]
         return logits if logits.dtype == torch.float64 else logits.to(torch.float32)

@@ -105,7 +105,7 @@ HTTP_CASES = [
     HttpCase("n -1 (beam width negative)", _body(n=-1, use_beam_search=True), 400, "n"),
     HttpCase("best_of 0 (beam width 0)", _body(best_of=0), 400, "best_of"),
     HttpCase("best_of 65 (beam width > max)", _body(best_of=65, temperature=0), 400, "best_of"),
-    HttpCase("max_tokens 0", _body(max_tokens=0), 400, "max_tokens"),
+    HttpCase("max_tokens -1", _body(max_tokens=-1), 400, "max_tokens"),  # 0 scores the prompt only
     HttpCase("max_tokens 2^31-1", _body(max_tokens=2**31 - 1), 400, "max_tokens"),
     HttpCase("temperature NaN", _body(temperature=NAN), 400, "temperature"),
     HttpCase("temperature -1", _body(temperature=-1.0), 400, "temperature"),

@@ -115,3 +115,47 @@ def write_random_lfm2_checkpoint(
             parameter.copy_(values)
     model.save_pretrained(directory)
     return directory
+
+
+TOKENIZER_CORPUS = (
+    "Question: the sky on a clear day is blue, water freezes into ice, a cat says meow.",
+    "Answer: two plus two is four; the sun rises in the east; bees make honey; we read a book.",
+    "Fish live in water, snow is white, and a week has seven days of hours and years.",
+    "The quick brown fox jumps over the lazy dog while the green river runs to the south.",
+)
+
+
+def write_random_llama_with_tokenizer(directory: str | Path, *, vocab_size: int = 300, seed: int = 0) -> Path:
+    """A random Llama checkpoint with a real byte-level BPE `tokenizer.json` (trained here on a
+    fixed corpus, so it is the same everywhere) and a `tokenizer_config.json` that transformers'
+    AutoTokenizer loads: the directory any Hugging Face tool (lm-eval's `hf` model) can open.
+    Specials: <unk> 0, <s> 1 (bos), </s> 2 (eos); the model's vocabulary is the tokenizer's."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = Path(directory)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TOKENIZER_CORPUS * 4, trainer=trainer)
+    write_random_llama_checkpoint(
+        directory, vocab_size=tokenizer.get_vocab_size(), seed=seed, tie_word_embeddings=False
+    )
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": False,
+        "model_max_length": 512,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return directory

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
 from beamsplit.server.engine_loop import EngineLoop, EngineLoopError
 from beamsplit.server.metrics import ServerMetrics
@@ -63,14 +62,14 @@ def side() -> Iterator[ContextSide]:
     engine = LLMEngine(CONFIG)
     forwards: list[int] = []
     delay = [0.0]
-    compute = engine.runner.compute_logprobs
+    compute = engine.runner.forward
 
-    def counted(seqs: Any) -> torch.Tensor:
+    def counted(seqs: Any) -> Any:
         forwards.append(len(seqs))
         time.sleep(delay[0])
         return compute(seqs)
 
-    engine.runner.compute_logprobs = counted  # type: ignore[method-assign]
+    engine.runner.forward = counted  # type: ignore[method-assign]
     loop = EngineLoop(engine)
     loop.start()
     agent = LoopbackTransferAgent(LoopbackHub())

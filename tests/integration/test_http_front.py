@@ -275,7 +275,7 @@ def test_stop_string_ends_beams(server: ServerProcess) -> None:
 
 
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
-    ("max_tokens 0", {"max_tokens": 0}, "max_tokens"),
+    ("max_tokens -1", {"max_tokens": -1}, "max_tokens"),  # 0 is valid: score the prompt only
     ("max_tokens huge", {"max_tokens": 100_000}, "max_tokens"),
     ("max_tokens not an int", {"max_tokens": "8"}, "max_tokens"),
     ("n without beams", {"n": 2}, "n"),
@@ -291,7 +291,7 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ("stop string too long", {"stop": ["x" * 129]}, "stop"),
     ("two stop token ids", {"extra_body": {"stop_token_ids": [1, 2]}}, "stop_token_ids"),
     ("stop token id outside vocab", {"extra_body": {"stop_token_ids": [999]}}, "stop_token_ids"),
-    ("per-token logprobs", {"logprobs": 2}, "logprobs"),
+    ("logprobs over 20", {"logprobs": 21}, "logprobs"),
     ("early_stopping", {"extra_body": {"use_beam_search": True, "early_stopping": "soon"}}, "early_stopping"),
     ("unknown token id", {"prompt": [1, 2, 260]}, "prompt"),
     ("empty prompt", {"prompt": ""}, "prompt"),
@@ -319,7 +319,7 @@ def test_bad_field_is_400_naming_it(
 
 def test_bad_field_is_400_when_streaming_too(server: ServerProcess) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client_of(server).completions.create(model=MODEL, prompt="hello", max_tokens=0, stream=True)
+        client_of(server).completions.create(model=MODEL, prompt="hello", max_tokens=-1, stream=True)
     assert raised.value.body["param"] == "max_tokens"  # type: ignore[index]
 
 

@@ -58,13 +58,13 @@ def run_to_completion(engine: LLMEngine, outputs: dict[str, RequestOutput]) -> i
 def count_forwards(engine: LLMEngine) -> list[int]:
     """Wraps the runner: each forward appends how many sequences it fed."""
     calls: list[int] = []
-    compute: Callable[[Any], torch.Tensor] = engine.runner.compute_logprobs
+    compute: Callable[[Any], Any] = engine.runner.forward
 
-    def counted(seqs: Any) -> torch.Tensor:
+    def counted(seqs: Any) -> Any:
         calls.append(len(seqs))
         return compute(seqs)
 
-    engine.runner.compute_logprobs = counted  # type: ignore[method-assign]
+    engine.runner.forward = counted  # type: ignore[method-assign]
     return calls
 
 
@@ -191,13 +191,13 @@ def test_budget_caps_every_forward() -> None:
     budget = 24
     engine = make_engine(budget)
     fed: list[int] = []
-    compute = engine.runner.compute_logprobs
+    compute = engine.runner.forward
 
-    def counted(seqs: Any) -> torch.Tensor:
+    def counted(seqs: Any) -> Any:
         fed.append(sum(len(seq.token_ids) for seq in seqs))
         return compute(seqs)
 
-    engine.runner.compute_logprobs = counted  # type: ignore[method-assign]
+    engine.runner.forward = counted  # type: ignore[method-assign]
     for index, length in enumerate((5, 70, 33, 1)):
         engine.add_request(
             f"r{index}", prompt_of(length, index), SamplingParams(beam_width=2, max_new_tokens=4)

@@ -22,9 +22,7 @@ def test_first_token_is_sent_without_a_forward_pass() -> None:
     generation.add_prefilled_request(
         reservation, prompt, params, prefilled.candidate_ids, prefilled.candidate_logprobs
     )
-    with mock.patch.object(
-        generation.runner, "compute_logprobs", wraps=generation.runner.compute_logprobs
-    ) as forward:
+    with mock.patch.object(generation.runner, "forward", wraps=generation.runner.forward) as forward:
         first = generation.step()
         assert forward.call_count == 0
         assert [output.request_id for output in first] == ["r"]

@@ -67,13 +67,17 @@ def test_token_ids_and_stop_token_id() -> None:
         ({"n": 2}, "n"),
         ({"best_of": 2}, "best_of"),  # sampling: best_of > 1 needs temperature 0 or use_beam_search
         ({"best_of": 0, "use_beam_search": True}, "best_of"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", 3]}, "prompt"),
+        ({"prompt": ["a"] * 65}, "prompt"),
         ({"prompt": {"text": "x"}}, "prompt"),
         ({"stop": ["a"] * 5}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": "1"}, "stop_token_ids"),
-        ({"echo": True}, "echo"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"echo": True, "stream": True}, "echo"),
+        ({"logprobs": 1, "stream": True}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 1.5}, "logprobs"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"stream_options": []}, "stream_options"),
         ({"model": "other"}, "model"),
@@ -85,6 +89,35 @@ def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
         parse(**fields)
     assert raised.value.param == param
     assert param in raised.value.message
+
+
+def test_scoring_fields_map_to_sampling() -> None:
+    parsed = parse(prompt=["ab", [1, 2, 3]], echo=True, logprobs=2, max_tokens=0, temperature=0)
+    assert [request.WhichOneof("prompt") for request in parsed.all_requests] == ["text", "token_ids"]
+    assert list(parsed.all_requests[1].token_ids.token_ids) == [1, 2, 3]
+    for request in parsed.all_requests:
+        sampling = request.sampling
+        assert sampling.logprobs == 2 and sampling.prompt_logprobs == 2
+        assert sampling.max_new_tokens == 1  # max_tokens 0 runs one token, which the front drops
+    assert parsed.echo and parsed.num_logprobs == 2 and parsed.drops_generated
+    plain = parse(logprobs=0, max_tokens=3)
+    assert plain.request.sampling.logprobs == 0 and not plain.request.sampling.HasField("prompt_logprobs")
+    assert not plain.drops_generated and not plain.echo and len(plain.all_requests) == 1
+    unscored = parse(echo=True)
+    assert not unscored.request.sampling.HasField("logprobs") and unscored.num_logprobs is None
+
+
+def test_chat_logprobs_take_top_logprobs() -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    parsed = parse_chat_request({**body, "top_logprobs": 3}, "tiny", TemplatedTokenizer())
+    assert parsed.request.sampling.logprobs == 3 and parsed.num_logprobs == 3
+    for extra, param in (({"top_logprobs": 21}, "top_logprobs"), ({"logprobs": 1}, "logprobs")):
+        with pytest.raises(OpenAIRequestError) as raised:
+            parse_chat_request({**body, **extra}, "tiny", TemplatedTokenizer())
+        assert raised.value.param == param
+    with pytest.raises(OpenAIRequestError) as raised:
+        parse_chat_request({**body, "logprobs": False, "top_logprobs": 2}, "tiny", TemplatedTokenizer())
+    assert raised.value.param == "top_logprobs"
 
 
 def test_nulls_are_absent_fields() -> None:

@@ -1,0 +1,184 @@
+"""Scoring in the engine: every prompt position's log-prob and each returned token's equal
+transformers' log_softmax of the same forward pass (float64 to 1e-9, float32 to 1e-4), in one
+chunk or many, with a cached prefix in the pool, for greedy, sampling and each beam."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.logprobs import LogprobTrie
+from engine.types import TokenLogprob
+from tests.helpers.checkpoints import write_random_lfm2_checkpoint, write_random_llama_checkpoint
+
+TOLERANCES = {"float64": 1e-9, "float32": 1e-4}
+NUM_TOP = 3
+
+
+@pytest.fixture(autouse=True)
+def few_threads() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_llama_checkpoint(tmp_path_factory.mktemp("llama"), seed=3)
+
+
+def reference_logprobs(model_dir: Path, dtype: str, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V] transformers' log_softmax of one forward pass over token_ids."""
+    from transformers import LlamaForCausalLM
+
+    torch_dtype = torch.float64 if dtype == "float64" else torch.float32
+    reference = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor([token_ids])).logits[0]  # [P, V]
+    return torch.log_softmax(logits, dim=-1)
+
+
+def make_engine(model_dir: Path, dtype: str, max_num_batched_tokens: int = 512) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype=dtype,
+            cache=CacheConfig(tokens_per_block=16, num_blocks=64),
+            max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    )
+
+
+def check_position(record: TokenLogprob, row: torch.Tensor, token_id: int, tolerance: float) -> None:
+    """record against the reference row [V] of the position before token_id."""
+    assert record.token_id == token_id
+    assert abs(record.logprob - float(row[token_id])) <= tolerance
+    expected_ids = torch.topk(row, k=len(record.top)).indices.tolist()
+    assert [token for token, _ in record.top] == expected_ids
+    for token, logprob in record.top:
+        assert abs(logprob - float(row[token])) <= tolerance
+
+
+def prompt(length: int) -> list[int]:
+    return [(7 * index + 3) % 90 + 3 for index in range(length)]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("chunk_tokens", [512, 16])  # one pass, or chunks of 16 (chunked prefill)
+def test_prompt_logprobs_match_transformers(checkpoint: Path, dtype: str, chunk_tokens: int) -> None:
+    engine = make_engine(checkpoint, dtype, chunk_tokens)
+    prompt_ids = prompt(45)
+    reference = reference_logprobs(checkpoint, dtype, prompt_ids)
+    # A request that fills the prefix cache with the same prompt's blocks first: the scored
+    # request must not take them (their positions have no logits) and must give the same numbers.
+    engine.generate(prompt_ids, SamplingParams(max_new_tokens=1))
+    engine.check_integrity()
+    for _ in range(2):  # the second run finds its own blocks published by the first
+        output = engine.generate(prompt_ids, SamplingParams(max_new_tokens=2, prompt_logprobs=NUM_TOP))
+        engine.check_integrity()
+        assert output.stats["reused_tokens"] == 0
+        scores = output.prompt_logprobs
+        assert scores is not None and len(scores) == len(prompt_ids) and scores[0] is None
+        for position in range(1, len(prompt_ids)):
+            record = scores[position]
+            assert record is not None and len(record.top) == NUM_TOP
+            check_position(record, reference[position - 1], prompt_ids[position], TOLERANCES[dtype])
+    # Without prompt_logprobs the prefix is reused as before, and nothing is scored.
+    plain = engine.generate(prompt_ids, SamplingParams(max_new_tokens=1))
+    assert plain.stats["reused_tokens"] == 32 and plain.prompt_logprobs is None
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_context_side_prefill_scores_equal_the_aggregated_ones(checkpoint: Path, dtype: str) -> None:
+    engine = make_engine(checkpoint, dtype, 16)
+    prompt_ids = prompt(40)
+    aggregated = engine.generate(prompt_ids, SamplingParams(max_new_tokens=1, prompt_logprobs=2))
+    result = engine.prefill("ctx", prompt_ids, 1, prompt_logprobs=2)
+    engine.check_integrity()
+    assert result.prompt_logprobs is not None and aggregated.prompt_logprobs is not None
+    assert [None, *result.prompt_logprobs] == aggregated.prompt_logprobs
+    engine.release_prefill("ctx")
+    engine.check_integrity()
+
+
+def replay_generated(
+    checkpoint: Path, dtype: str, prompt_ids: list[int], records: list[TokenLogprob], tolerance: float
+) -> None:
+    """Each generated token's record against the reference row of the sequence before it."""
+    token_ids = [record.token_id for record in records]
+    reference = reference_logprobs(checkpoint, dtype, prompt_ids + token_ids)
+    for index, record in enumerate(records):
+        check_position(record, reference[len(prompt_ids) + index - 1], record.token_id, tolerance)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=5, logprobs=4, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, logprobs=0, temperature=1.3, top_k=20, seed=7, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, logprobs=2, beam_width=3, ignore_eos=True),
+    ],
+    ids=["greedy", "sampling", "beam-3"],
+)
+def test_generated_logprobs_are_the_model_distribution(checkpoint: Path, params: SamplingParams) -> None:
+    engine = make_engine(checkpoint, "float64")
+    prompt_ids = prompt(20)
+    engine.add_request("scored", prompt_ids, params)
+    output = None
+    while output is None:
+        for step_output in engine.step():
+            engine.check_integrity()  # the live request's trie too
+            if step_output.finished:
+                output = step_output
+    engine.check_integrity()
+    assert len(output.beams) == params.beam_width
+    for beam in output.beams:
+        assert beam.logprobs is not None and len(beam.logprobs) == len(beam.token_ids)
+        assert [record.token_id for record in beam.logprobs] == beam.token_ids
+        assert all(len(record.top) == params.logprobs for record in beam.logprobs)
+        # The decoders sum float32 rows; the records are those rows' values.
+        assert math.isclose(
+            sum(record.logprob for record in beam.logprobs), beam.cumulative_logprob, abs_tol=1e-4
+        )
+        replay_generated(checkpoint, "float64", prompt_ids, beam.logprobs, 1e-5)
+
+
+def test_hybrid_prompt_logprobs_match_transformers(tmp_path: Path) -> None:
+    """LFM2 (convolution state + attention): chunked, with its prefix and snapshots cached."""
+    from transformers import Lfm2ForCausalLM
+
+    model_dir = write_random_lfm2_checkpoint(tmp_path / "lfm2", seed=4)
+    engine = make_engine(model_dir, "float64", 16)
+    prompt_ids = prompt(37)
+    reference_model = Lfm2ForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(reference_model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    engine.generate(prompt_ids, SamplingParams(max_new_tokens=1))
+    output = engine.generate(prompt_ids, SamplingParams(max_new_tokens=1, prompt_logprobs=2))
+    engine.check_integrity()
+    assert output.prompt_logprobs is not None and output.stats["reused_tokens"] == 0
+    for position in range(1, len(prompt_ids)):
+        record = output.prompt_logprobs[position]
+        assert record is not None
+        check_position(record, reference[position - 1], prompt_ids[position], TOLERANCES["float64"])
+
+
+def test_trie_walks_a_finished_beam_and_checks_itself() -> None:
+    trie = LogprobTrie(num_top=1)
+    trie.record_candidates([5, 6], [-0.1, -2.0])
+    trie.advance([0, 0], [5, 6], None)  # two running beams
+    trie.record_rows(torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]]), dim=-1), 2)
+    trie.advance([1], [0], None)  # beam 1 goes on; beam 0's best (token 1) finished there
+    trie.check_integrity()
+    finished = trie.walk([5, 1])
+    assert [record.token_id for record in finished] == [5, 1]
+    assert finished[0].top == ((5, -0.1),) and finished[1].top[0][0] == 1
+    assert math.isnan(trie.walk([7])[0].logprob)  # never a candidate
+    trie.running = [trie.num_nodes]
+    with pytest.raises(AssertionError):
+        trie.check_integrity()
