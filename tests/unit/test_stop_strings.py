@@ -114,9 +114,7 @@ def test_one_sequence_stops_at_the_step_its_text_completes_the_string(
     )
     engine.add_request("stopped", PROMPT, params)
     engine.add_request("free", PROMPT, base)  # same prompt, no stop: runs on in the same batch
-    with mock.patch.object(
-        engine.runner, "compute_logprobs", wraps=engine.runner.compute_logprobs
-    ) as forward:
+    with mock.patch.object(engine.runner, "forward", wraps=engine.runner.forward) as forward:
         output, blocks = run_steps(engine, "stopped")
         forwards_until_stop = forward.call_count
     beam = output.beams[0]
@@ -179,7 +177,7 @@ def test_first_token_can_complete_the_string_aggregated_and_pulled() -> None:
     )
     generation.check_integrity()
     assert generation.num_blocks_in_use() == 0  # finished before any forward pass
-    with mock.patch.object(generation.runner, "compute_logprobs") as forward:
+    with mock.patch.object(generation.runner, "forward") as forward:
         pulled, _ = run_steps(generation, "g")
         assert forward.call_count == 0
     assert pulled.beams == output.beams
