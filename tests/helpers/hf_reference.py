@@ -8,8 +8,11 @@ sequence score: the summed float32 log-probs of the chosen tokens, normalised li
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
+
+from engine import LLMEngine, RequestOutput, SamplingParams
 
 ReferenceBeam = tuple[list[int], float, bool]
 
@@ -52,3 +55,51 @@ def reference_beams(
             score = logprob / len(tokens) ** length_penalty
         beams.append((tokens, score, stopped))
     return beams
+
+
+def reference_case(
+    model: torch.nn.Module,
+    prompt: list[int],
+    params: SamplingParams,
+    with_eos: bool,
+) -> tuple[list[ReferenceBeam], int | None]:
+    """transformers' beams for `params` (its beam width, max_new_tokens, length penalty, early
+    stopping) and the eos id they were run with: None, or with `with_eos` a token of the reference's
+    own beams (best beam first) that, made the eos, ends at least one returned beam (a random model
+    may repeat one token, so every beam's tokens are candidates)."""
+
+    def run(eos_token_id: int | None) -> list[ReferenceBeam]:
+        return reference_beams(
+            model, prompt, params.beam_width, params.max_new_tokens, params.length_penalty,
+            params.early_stopping, eos_token_id,
+        )  # fmt: skip
+
+    expected = run(None)
+    if not with_eos:
+        return expected, None
+    candidates = list(dict.fromkeys(token for tokens, _, _ in expected for token in tokens[1:] + tokens[:1]))
+    for token in candidates:
+        beams = run(token)
+        if any(stopped for _, _, stopped in beams):
+            return beams, token
+    raise AssertionError(f"no token of {candidates} ends a beam as eos")
+
+
+def assert_engine_beams_equal(
+    engine: LLMEngine,
+    prompt: list[int],
+    params: SamplingParams,
+    expected: list[ReferenceBeam],
+    tolerance: float,
+) -> RequestOutput:
+    """The engine's beams for `prompt` equal `expected` (tokens, scores to `tolerance`, finish
+    reasons); the cache is whole and empty afterwards."""
+    output = engine.generate(prompt, params)
+    engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
+    assert len(output.beams) == len(expected) == params.beam_width
+    for index, (beam, (tokens, score, stopped)) in enumerate(zip(output.beams, expected, strict=True)):
+        assert beam.token_ids == tokens, f"beam {index}"
+        assert math.isclose(beam.score, score, rel_tol=0.0, abs_tol=tolerance), f"beam {index}"
+        assert beam.finish_reason == ("stop" if stopped else "length"), f"beam {index}"
+    return output

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from tests.helpers.checkpoints import write_random_llama_checkpoint
-from tests.helpers.hf_reference import ReferenceBeam, reference_beams
+from tests.helpers.hf_reference import assert_engine_beams_equal, reference_case
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,22 +108,6 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, R
     yield result
 
 
-def reference_generate(
-    model: torch.nn.Module, prompt: list[int], case: Case, eos_token_id: int | None
-) -> list[ReferenceBeam]:
-    return reference_beams(
-        model, prompt, case.beam_width, MAX_NEW_TOKENS, case.length_penalty, case.early_stopping, eos_token_id
-    )
-
-
-def pick_produced_eos(model: torch.nn.Module, prompt: list[int], case: Case, tokens: list[int]) -> int:
-    """A token of the reference's best beam that, made the eos, ends at least one returned beam."""
-    for token in tokens[1:] + tokens[:1]:
-        if any(stopped for _, _, stopped in reference_generate(model, prompt, case, token)):
-            return token
-    raise AssertionError(f"no token of {tokens} ends a beam as eos")
-
-
 @pytest.mark.parametrize("with_eos", [False, True], ids=["no_eos", "eos"])
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_beams_match_transformers(
@@ -132,29 +116,17 @@ def test_beams_match_transformers(
     reference = references[case.kind]
     generator = torch.Generator().manual_seed(case.prompt_len * 31 + case.beam_width)
     prompt = torch.randint(3, reference.vocab_size, (case.prompt_len,), generator=generator).tolist()
-    expected = reference_generate(reference.model, prompt, case, None)
-    eos_token_id = pick_produced_eos(reference.model, prompt, case, expected[0][0]) if with_eos else None
-    if eos_token_id is not None:
-        expected = reference_generate(reference.model, prompt, case, eos_token_id)
-
     engine = reference.engines[case.tokens_per_block]
     params = SamplingParams(
         beam_width=case.beam_width,
         max_new_tokens=MAX_NEW_TOKENS,
         length_penalty=case.length_penalty,
         early_stopping=case.early_stopping,
-        eos_token_id=eos_token_id,
-        ignore_eos=eos_token_id is None,
     )
-    output = engine.generate(prompt, params)
-    engine.check_integrity()
-    assert engine.num_blocks_in_use() == 0
-
-    assert len(output.beams) == len(expected) == case.beam_width
-    for index, (beam, (tokens, score, stopped)) in enumerate(zip(output.beams, expected, strict=True)):
-        assert beam.token_ids == tokens, f"beam {index}"
-        assert math.isclose(beam.score, score, rel_tol=0.0, abs_tol=SCORE_TOLERANCE), f"beam {index}"
-        assert beam.finish_reason == ("stop" if stopped else "length"), f"beam {index}"
+    expected, eos_token_id = reference_case(reference.model, prompt, params, with_eos)
+    params = replace(params, eos_token_id=eos_token_id, ignore_eos=eos_token_id is None)
+    output = assert_engine_beams_equal(engine, prompt, params, expected, SCORE_TOLERANCE)
+    for index, beam in enumerate(output.beams):
         normalised = beam.cumulative_logprob / len(beam.token_ids) ** case.length_penalty
         assert math.isclose(normalised, beam.score, rel_tol=1e-6), f"beam {index}"
     num_stopped = sum(stopped for _, _, stopped in expected)

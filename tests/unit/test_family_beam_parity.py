@@ -10,9 +10,8 @@ reasons, the cache's integrity and the pool back to zero blocks in use.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from tests.helpers.family_checkpoints import load_reference, write_family_checkpoint
-from tests.helpers.hf_reference import ReferenceBeam, reference_beams
+from tests.helpers.hf_reference import assert_engine_beams_equal, reference_case
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,54 +101,21 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, R
     yield result
 
 
-def reference_generate(
-    model: torch.nn.Module, prompt: list[int], case: Case, eos: int | None
-) -> list[ReferenceBeam]:
-    return reference_beams(
-        model, prompt, case.beam_width, MAX_NEW_TOKENS, case.length_penalty, case.early_stopping, eos
-    )
-
-
-def pick_produced_eos(
-    model: torch.nn.Module, prompt: list[int], case: Case, beams: list[ReferenceBeam]
-) -> int:
-    """A token of the reference's beams that, made the eos, ends at least one returned beam (a
-    random model may repeat one token, so every beam's tokens are candidates)."""
-    candidates = list(dict.fromkeys(token for tokens, _, _ in beams for token in tokens[1:] + tokens[:1]))
-    for token in candidates:
-        if any(stopped for _, _, stopped in reference_generate(model, prompt, case, token)):
-            return token
-    raise AssertionError(f"no token of {candidates} ends a beam as eos")
-
-
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_family_beams_match_transformers(references: dict[str, Reference], case: Case) -> None:
     reference = references[case.family]
     generator = torch.Generator().manual_seed(case.prompt_len * 31 + case.beam_width)
     prompt = torch.randint(3, reference.vocab_size, (case.prompt_len,), generator=generator).tolist()
-    expected = reference_generate(reference.model, prompt, case, None)
-    eos_token_id = pick_produced_eos(reference.model, prompt, case, expected) if case.with_eos else None
-    if eos_token_id is not None:
-        expected = reference_generate(reference.model, prompt, case, eos_token_id)
-
     engine = reference.engines[case.tokens_per_block]
     params = SamplingParams(
         beam_width=case.beam_width,
         max_new_tokens=MAX_NEW_TOKENS,
         length_penalty=case.length_penalty,
         early_stopping=case.early_stopping,
-        eos_token_id=eos_token_id,
-        ignore_eos=eos_token_id is None,
     )
-    output = engine.generate(prompt, params)
-    engine.check_integrity()
-    assert engine.num_blocks_in_use() == 0
-
-    assert len(output.beams) == len(expected) == case.beam_width
-    for index, (beam, (tokens, score, stopped)) in enumerate(zip(output.beams, expected, strict=True)):
-        assert beam.token_ids == tokens, f"beam {index}"
-        assert math.isclose(beam.score, score, rel_tol=0.0, abs_tol=SCORE_TOLERANCE), f"beam {index}"
-        assert beam.finish_reason == ("stop" if stopped else "length"), f"beam {index}"
+    expected, eos_token_id = reference_case(reference.model, prompt, params, case.with_eos)
+    params = replace(params, eos_token_id=eos_token_id, ignore_eos=eos_token_id is None)
+    assert_engine_beams_equal(engine, prompt, params, expected, SCORE_TOLERANCE)
     num_stopped = sum(stopped for _, _, stopped in expected)
     print(f"{case.name} eos={eos_token_id}: {case.beam_width} beams equal, {num_stopped} stopped on eos")
 
