@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,22 +57,13 @@ def tiny_model_config() -> ModelConfig:
 
 def tiny_hybrid_model_config() -> ModelConfig:
     """LFM2's layer pattern in small: convolution layers around two attention layers."""
-    tokenizer = ByteTokenizer()
     conv, attention = CONV_LAYER, ATTENTION_LAYER
-    return ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+    return replace(
+        tiny_model_config(),
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         rms_norm_eps=1e-5,
         rope_theta=1000000.0,
-        max_position_embeddings=4096,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         model_type="lfm2",
         layer_types=(conv, attention, conv, attention),
         conv_kernel_size=3,
