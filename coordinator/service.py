@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +24,9 @@ import grpc
 
 from beamsplit.server.request_validation import (
     ModelLimits,
-    RequestValidationError,
     ValidatedRequest,
+    accept_generate_request,
     sampling_params_to_proto,
-    validate_generate_request,
 )
 from beamsplit.v1 import common_pb2, coordinator_pb2, worker_pb2
 from beamsplit.wire import ServiceError
@@ -84,12 +82,7 @@ class CoordinatorService:
         on_client_gone: Callable[[Callable[[], None]], None],
     ) -> Generator[common_pb2.GenerateResponse, None, None]:
         arrived = time.perf_counter()
-        try:
-            validated = validate_generate_request(request, self._limits, self._tokenizer)
-        except RequestValidationError as error:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
-        request_id = request.request_id or uuid.uuid4().hex
-        routed_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses ids
+        validated, request_id, routed_id = accept_generate_request(request, self._limits, self._tokenizer)
         attempt_state = _Attempt()
         on_client_gone(attempt_state.cancel)
         full_workers: dict[str, str] = {}  # generation workers whose pool refused this request

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Generator
 
 import grpc
 
 from beamsplit.server.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
-from beamsplit.server.request_validation import ModelLimits, RequestValidationError, validate_generate_request
+from beamsplit.server.request_validation import ModelLimits, accept_generate_request
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import common_pb2, coordinator_pb2
 from beamsplit.wire import (
@@ -50,12 +49,9 @@ class AggregatedService:
         on_client_gone: Callable[[Callable[[], None]], None],
     ) -> Generator[common_pb2.GenerateResponse, None, None]:
         arrived = time.perf_counter()
-        try:
-            validated = validate_generate_request(request, self._limits, self._tokenizer)
-        except RequestValidationError as error:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
-        request_id = request.request_id or uuid.uuid4().hex
-        engine_request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        validated, request_id, engine_request_id = accept_generate_request(
+            request, self._limits, self._tokenizer
+        )
         client_gone = threading.Event()
         on_client_gone(client_gone.set)
 

@@ -7,12 +7,16 @@ server answers INVALID_ARGUMENT with the message as is.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import grpc
+
 from beamsplit.v1 import common_pb2, coordinator_pb2
+from beamsplit.wire import ServiceError
 from engine.config import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -59,6 +63,20 @@ def validate_generate_request(
             f"{params.max_new_tokens} exceed the model's {limits.max_model_len} positions"
         )
     return ValidatedRequest(prompt_ids=prompt_ids, params=params, salt=bytes(request.salt))
+
+
+def accept_generate_request(
+    request: coordinator_pb2.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer
+) -> tuple[ValidatedRequest, str, str]:
+    """What a service starts a Generate call with: the validated request (a refusal raises
+    INVALID_ARGUMENT), the client's request id (one made up when it sent none) and an id unique
+    to this call, which the service uses downstream because a client may reuse its ids."""
+    try:
+        validated = validate_generate_request(request, limits, tokenizer)
+    except RequestValidationError as error:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+    request_id = request.request_id or uuid.uuid4().hex
+    return validated, request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
 def _prompt_ids(
