@@ -98,7 +98,7 @@ class CompletionRequest:
 
 def parse_completion_request(body: object, model_name: str) -> CompletionRequest:
     fields = _fields(body, COMPLETION_FIELDS, model_name)
-    echo = _bool(fields, "echo", False)
+    echo = bool_field(fields, "echo", False)
     if _str(fields, "suffix", "") != "":
         raise OpenAIRequestError("suffix", "suffix (insertion) is not supported")
     num_logprobs = _num_logprobs(fields, "logprobs")
@@ -175,7 +175,7 @@ def _num_logprobs(fields: dict[str, Any], name: str) -> int | None:
 
 def parse_chat_request(body: object, model_name: str, tokenizer: Tokenizer) -> CompletionRequest:
     fields = _fields(body, CHAT_FIELDS, model_name)
-    wants_logprobs = _bool(fields, "logprobs", False)
+    wants_logprobs = bool_field(fields, "logprobs", False)
     num_top = _int(fields, "top_logprobs", None, bits=32)
     if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
         raise OpenAIRequestError(
@@ -220,7 +220,8 @@ def openai_param(message: str, parsed: CompletionRequest) -> str | None:
     return None
 
 
-def _fields(body: object, known: frozenset[str], model_name: str) -> dict[str, Any]:
+def request_fields(body: object, known: frozenset[str], model_name: str) -> dict[str, Any]:
+    """A JSON body's non-null fields; a field outside `known`, or another model, is refused."""
     if not isinstance(body, Mapping):
         raise OpenAIRequestError(None, "the request body must be a JSON object")
     fields = {str(name): value for name, value in body.items() if value is not None}
@@ -232,6 +233,11 @@ def _fields(body: object, known: frozenset[str], model_name: str) -> dict[str, A
         raise OpenAIRequestError(
             "model", f"model {model!r} is not served here; this server serves {model_name!r}"
         )
+    return fields
+
+
+def _fields(body: object, known: frozenset[str], model_name: str) -> dict[str, Any]:
+    fields = request_fields(body, known, model_name)
     for name in ("frequency_penalty", "presence_penalty"):
         if _float(fields, name, 0.0) != 0.0:
             raise OpenAIRequestError(name, f"{name} is not supported (only 0)")
@@ -247,7 +253,7 @@ def _with_sampling(
     n = _int(fields, "n", 1, bits=32)
     best_of = _int(fields, "best_of", None, bits=32)
     temperature = _float(fields, "temperature", None)
-    is_beam_search = _bool(fields, "use_beam_search", False) or (
+    is_beam_search = bool_field(fields, "use_beam_search", False) or (
         best_of is not None and best_of > 1 and temperature == 0.0
     )
     if n < 1:
@@ -284,7 +290,7 @@ def _with_sampling(
     seed = _int(fields, "seed", None)
     if seed is not None:
         options.seed = seed
-    options.ignore_eos = _bool(fields, "ignore_eos", False)
+    options.ignore_eos = bool_field(fields, "ignore_eos", False)
     stop_token_ids = fields.get("stop_token_ids", [])
     if not isinstance(stop_token_ids, list) or not all(
         _is_int(token) and -(2**63) <= token < 2**63 for token in stop_token_ids
@@ -301,14 +307,14 @@ def _with_sampling(
     stream_options = fields.get("stream_options", {})
     if not isinstance(stream_options, Mapping):
         raise OpenAIRequestError("stream_options", "stream_options must be an object")
-    include_usage = _bool(dict(stream_options), "include_usage", False)
+    include_usage = bool_field(dict(stream_options), "include_usage", False)
     request.sampling.CopyFrom(options)
     return CompletionRequest(
         request=request,
         num_choices=n,
         is_beam_search=is_beam_search,
         stop=stop,
-        is_stream=_bool(fields, "stream", False),
+        is_stream=bool_field(fields, "stream", False),
         include_usage=include_usage,
         prompt_param=prompt_param,
         beam_width_param="best_of" if best_of is not None else "n",
@@ -383,7 +389,7 @@ def _float(fields: dict[str, Any], name: str, default: Any) -> Any:
         raise OpenAIRequestError(name, f"{name} is out of range") from None
 
 
-def _bool(fields: dict[str, Any], name: str, default: bool) -> bool:
+def bool_field(fields: dict[str, Any], name: str, default: bool) -> bool:
     value = fields.get(name, default)
     if not isinstance(value, bool):
         raise OpenAIRequestError(name, f"{name} must be true or false, got {value!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from beamsplit.server.openai_wire import OpenAIRequestError, render_chat
+from beamsplit.server.openai_wire import OpenAIRequestError, bool_field, render_chat, request_fields
 from engine.tokenizer import Tokenizer
 
 COMPLETION_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
@@ -33,24 +33,24 @@ DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 def tokenize(body: object, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> dict[str, Any]:
     """`{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` is null unless asked for."""
     is_chat = isinstance(body, Mapping) and "messages" in body
-    fields = _fields(body, CHAT_FIELDS if is_chat else COMPLETION_FIELDS, model_name)
+    fields = request_fields(body, CHAT_FIELDS if is_chat else COMPLETION_FIELDS, model_name)
     if is_chat:
-        if _bool(fields, "continue_final_message", False):
+        if bool_field(fields, "continue_final_message", False):
             raise OpenAIRequestError("continue_final_message", "continue_final_message is not supported")
         text = render_chat(
-            fields["messages"], tokenizer, model_name, _bool(fields, "add_generation_prompt", True)
+            fields["messages"], tokenizer, model_name, bool_field(fields, "add_generation_prompt", True)
         )
-        add_special_tokens = _bool(fields, "add_special_tokens", False)  # vLLM's chat default
+        add_special_tokens = bool_field(fields, "add_special_tokens", False)  # vLLM's chat default
     else:
         prompt = fields.get("prompt")
         if not isinstance(prompt, str):
             raise OpenAIRequestError("prompt", "prompt must be a string (or send messages)")
         text = prompt
-        add_special_tokens = _bool(fields, "add_special_tokens", True)
+        add_special_tokens = bool_field(fields, "add_special_tokens", True)
     token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     token_strs = (
         [tokenizer.id_to_token(token_id) for token_id in token_ids]
-        if _bool(fields, "return_token_strs", False)
+        if bool_field(fields, "return_token_strs", False)
         else None
     )
     return {
@@ -63,7 +63,7 @@ def tokenize(body: object, tokenizer: Tokenizer, model_name: str, max_model_len:
 
 def detokenize(body: object, tokenizer: Tokenizer, model_name: str) -> dict[str, Any]:
     """`{"prompt": text}`: special tokens are dropped, as in the completions' text."""
-    fields = _fields(body, DETOKENIZE_FIELDS, model_name)
+    fields = request_fields(body, DETOKENIZE_FIELDS, model_name)
     token_ids = fields.get("tokens")
     if not isinstance(token_ids, list) or not all(
         isinstance(token_id, int) and not isinstance(token_id, bool) for token_id in token_ids
@@ -75,25 +75,3 @@ def detokenize(body: object, tokenizer: Tokenizer, model_name: str) -> dict[str,
                 "tokens", f"tokens: id {token_id} is outside the vocabulary [0, {tokenizer.vocab_size})"
             )
     return {"prompt": tokenizer.decode(token_ids)}
-
-
-def _fields(body: object, known: frozenset[str], model_name: str) -> dict[str, Any]:
-    if not isinstance(body, Mapping):
-        raise OpenAIRequestError(None, "the request body must be a JSON object")
-    fields = {str(name): value for name, value in body.items() if value is not None}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise OpenAIRequestError(unknown[0], f"{unknown[0]} is not a field this server implements")
-    model = fields.get("model")
-    if model is not None and model != model_name:
-        raise OpenAIRequestError(
-            "model", f"model {model!r} is not served here; this server serves {model_name!r}"
-        )
-    return fields
-
-
-def _bool(fields: dict[str, Any], name: str, default: bool) -> bool:
-    value = fields.get(name, default)
-    if not isinstance(value, bool):
-        raise OpenAIRequestError(name, f"{name} must be true or false, got {value!r}")
-    return value
