@@ -47,8 +47,11 @@ class PrefillResult:
     block_ids: list[int]  # ceil(P / T) blocks holding the prompt's KV, pinned until released
     prompt_len: int
     candidate_ids: list[int]  # top next tokens of the last prompt position, best first
-    candidate_logprobs: list[float]  # float64 log_softmax of the logits, same order
+    candidate_logprobs: list[float]  # float32 log_softmax of the logits (the decoders'), same order
     reused_tokens: int
+    # The same candidates' log-probs in the model's precision (engine/logprobs.py report_dtype):
+    # what a scored request reports for its first token. Empty: candidate_logprobs.
+    candidate_model_logprobs: list[float] = field(default_factory=list)
     # Hybrid models: the recurrent state after the whole prompt, raw bytes in the model's dtype
     # (engine/state_pool.py layout); empty for a model without recurrent layers.
     recurrent_state: bytes = b""
