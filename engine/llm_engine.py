@@ -476,7 +476,13 @@ class LLMEngine(ContextSide):
 
     def _progress(self, request: Request) -> RequestOutput:
         deltas, parents = request.take_deltas()
-        return RequestOutput(request.request_id, deltas, False, parent_indices=parents)
+        trie = request.logprob_trie
+        new_logprobs = []
+        if trie is not None and request.params.beam_width == 1 and deltas:
+            new_logprobs = trie.take_streamed(deltas[0])
+        return RequestOutput(
+            request.request_id, deltas, False, parent_indices=parents, new_logprobs=new_logprobs
+        )
 
     def _finish(self, request: Request) -> RequestOutput:
         self._requests.pop(request.request_id, None)

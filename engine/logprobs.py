@@ -88,6 +88,7 @@ class LogprobTrie:
     )  # (node, token) -> (child, lp)
     running: list[int] = field(default_factory=lambda: [0])
     num_nodes: int = 1
+    streamed: int = 0  # one sequence: the node its streamed records reached (take_streamed)
 
     def record_candidates(self, candidate_ids: list[int], candidate_logprobs: list[float]) -> None:
         """The first step: the prompt's best tokens (best first, by the decoder's row) are the
@@ -126,7 +127,16 @@ class LogprobTrie:
     def walk(self, token_ids: list[int]) -> list[TokenLogprob]:
         """The records of a sequence of generated tokens, from the root (NaN where a token was
         never a candidate, which only exact ties at the rank boundary can cause)."""
-        records, node = [], 0
+        return self._walk_from(0, token_ids)[0]
+
+    def take_streamed(self, token_ids: list[int]) -> list[TokenLogprob]:
+        """One sequence (no beam reorders): the records of its tokens decided since the previous
+        call, which continue the ones that call returned."""
+        records, self.streamed = self._walk_from(self.streamed, token_ids)
+        return records
+
+    def _walk_from(self, node: int, token_ids: list[int]) -> tuple[list[TokenLogprob], int]:
+        records = []
         for token_id in token_ids:
             top = self.top.get(node, ())
             child = self.edges.get((node, token_id))
@@ -136,7 +146,7 @@ class LogprobTrie:
                 continue
             records.append(TokenLogprob(token_id, child[1], top))
             node = child[0]
-        return records
+        return records, node
 
     def check_integrity(self) -> None:
         """Node ids are 0 .. num_nodes - 1, each made by exactly one edge; running beams sit on nodes."""
@@ -145,6 +155,8 @@ class LogprobTrie:
             raise AssertionError(f"trie nodes {children[:8]}... are not 1 .. {self.num_nodes - 1}")
         if any(not 0 <= node < self.num_nodes for node in self.running):
             raise AssertionError(f"running beams on unknown nodes {self.running}")
+        if not -1 <= self.streamed < self.num_nodes:
+            raise AssertionError(f"streamed records end on unknown node {self.streamed}")
         if any(len(top) > self.num_top for top in self.top.values()):
             raise AssertionError(f"a position keeps more than {self.num_top} alternatives")
 

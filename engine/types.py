@@ -39,6 +39,8 @@ class RequestOutput:
     prefill: PrefillResult | None = None
     # Finished output of a request with prompt_logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A one-sequence request with logprobs, not finished: the records of new_token_ids[0].
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

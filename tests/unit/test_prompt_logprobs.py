@@ -124,13 +124,29 @@ GENERATED_CASES = [
 ]
 
 
-def run_aggregated(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-    engine.add_request(f"scored-{id(params)}-{engine.counters().prompt_tokens}", prompt_ids, params)
+def follow(engine: LLMEngine) -> RequestOutput:
+    """Steps the engine to its one request's end; the final output's beams get, as `logprobs` of
+    a one-sequence request, the records its progress outputs streamed (new_logprobs)."""
+    streamed: list[TokenLogprob] = []
     while True:
         for step_output in engine.step():
             engine.check_integrity()  # the live request's trie too
-            if step_output.finished:
+            if not step_output.finished:
+                assert len(step_output.new_logprobs) in (0, len(step_output.new_token_ids[0]))
+                streamed.extend(step_output.new_logprobs)
+                continue
+            if step_output.beams[0].logprobs is None or len(step_output.beams) > 1:
+                assert not streamed
                 return step_output
+            # What was streamed is the final records' prefix: the last step's come with the end.
+            final = step_output.beams[0].logprobs
+            assert streamed == final[: len(streamed)] and len(final) - len(streamed) <= 1
+            return step_output
+
+
+def run_aggregated(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+    engine.add_request(f"scored-{id(params)}-{engine.counters().prompt_tokens}", prompt_ids, params)
+    return follow(engine)
 
 
 def run_disaggregated(
@@ -149,11 +165,7 @@ def run_disaggregated(
         reservation, prompt_ids, params, prefilled.candidate_ids, prefilled.candidate_logprobs,
         candidate_model_logprobs=prefilled.candidate_model_logprobs,
     )  # fmt: skip
-    while True:
-        for step_output in generation.step():
-            generation.check_integrity()
-            if step_output.finished:
-                return step_output
+    return follow(generation)
 
 
 @pytest.mark.parametrize("deployment", ["aggregated", "disaggregated"])
