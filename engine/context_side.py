@@ -124,10 +124,14 @@ class ContextSide:
         self.scheduler.remove(request)
         self._prefilled[request.request_id] = table
         candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.prefill_num_candidates)
+        # A float32 model reports the decoder's own values: nothing more to ship (sampling may
+        # ship the whole vocabulary's candidates).
+        is_same = model_logprobs.dtype == logprobs.dtype  # report_dtype float32: the same row
+        model_values = [] if is_same else model_logprobs[candidate_ids].tolist()
         return PrefillResult(
             request.request_id, list(table.block_ids), request.prompt_len, candidate_ids, candidate_logprobs,
             request.num_cached_tokens,
-            candidate_model_logprobs=model_logprobs[candidate_ids].tolist(),
+            candidate_model_logprobs=model_values,
             recurrent_state=state,
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
             prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,

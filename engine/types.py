@@ -52,7 +52,7 @@ class PrefillResult:
     candidate_logprobs: list[float]  # float32 log_softmax of the logits (the decoders'), same order
     reused_tokens: int
     # The same candidates' log-probs in the model's precision (engine/logprobs.py report_dtype):
-    # what a scored request reports for its first token. Empty: candidate_logprobs.
+    # what a scored request reports for its first token. Empty (a float32 model): candidate_logprobs.
     candidate_model_logprobs: list[float] = field(default_factory=list)
     # Hybrid models: the recurrent state after the whole prompt, raw bytes in the model's dtype
     # (engine/state_pool.py layout); empty for a model without recurrent layers.

@@ -94,6 +94,15 @@ def test_prompt_logprobs_match_transformers(checkpoint: Path, dtype: str, chunk_
     engine.check_integrity()
 
 
+def test_a_float32_prefill_ships_its_candidates_once(checkpoint: Path) -> None:
+    """float32: the decoder's candidates are the reported values; the handoff needs no copy."""
+    engine = make_engine(checkpoint, "float32")
+    result = engine.prefill("ctx", prompt(20), 4)
+    assert len(result.candidate_logprobs) == 4 and result.candidate_model_logprobs == []
+    engine.release_prefill("ctx")
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_context_side_prefill_scores_equal_the_aggregated_ones(checkpoint: Path, dtype: str) -> None:
     engine = make_engine(checkpoint, dtype, 16)
@@ -161,6 +170,9 @@ def run_disaggregated(
     generation.kv_pool.data[reservation.missing_block_ids] = context.kv_pool.data[held]
     context.release_prefill(request_id)
     context.check_integrity()
+    # float64: the first token's records travel beside the decoder's float32 candidates.
+    assert len(prefilled.candidate_model_logprobs) == len(prefilled.candidate_ids)
+    assert prefilled.candidate_model_logprobs != prefilled.candidate_logprobs
     generation.add_prefilled_request(
         reservation, prompt_ids, params, prefilled.candidate_ids, prefilled.candidate_logprobs,
         candidate_model_logprobs=prefilled.candidate_model_logprobs,
