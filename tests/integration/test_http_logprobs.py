@@ -12,6 +12,7 @@ the unstreamed response's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from tests.helpers.checkpoints import write_random_llama_with_tokenizer
 from tests.helpers.http_front import SERVERS, assert_pools_empty, client_of, serve_each
 
 TOLERANCE = 1e-9
+BLOCK = 16
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -46,7 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     log_dir = tmp_path_factory.mktemp("http-logprobs")
     started = start_local_cluster(
         log_dir,
-        engine_arguments=["--model", str(model_dir), "--dtype", "float64", "--tokens-per-block", "16"],
+        engine_arguments=["--model", str(model_dir), "--dtype", "float64", "--tokens-per-block", str(BLOCK)],
         startup_timeout_s=180.0,
         http=True,
     )
@@ -119,18 +121,34 @@ COMPLETIONS = [
 ]
 
 
+def reused_tokens(process: ServerProcess) -> float:
+    """Prompt tokens the process found in its prefix tree so far (its metrics page)."""
+    series = re.findall(
+        r"^beamsplit_prefix_reused_tokens_total\{[^}]*\} (\S+)$", process.metrics_text(), re.M
+    )
+    return sum(float(value) for value in series)
+
+
 @pytest.mark.parametrize("fields", COMPLETIONS, ids=["greedy", "sampling", "beam-3"])
 def test_completion_logprobs_equal_transformers(
-    server: ServerProcess, fields: dict[str, Any], tokenizer: Tokenizer, reference: Any
+    server: ServerProcess,
+    cluster: LocalCluster,
+    fields: dict[str, Any],
+    tokenizer: Tokenizer,
+    reference: Any,
 ) -> None:
     client = client_of(server)
     extra = {"ignore_eos": True, **fields.get("extra_body", {})}
     arguments = {**fields, "extra_body": extra}
     prompt_ids = tokenizer.encode(PROMPT)
-    assert len(prompt_ids) > 16  # the second request finds at least one block cached
+    num_cached = (len(prompt_ids) - 1) // BLOCK * BLOCK  # what the second request finds cached
+    assert num_cached > 0
+    prefilling = cluster.aggregated if server is cluster.aggregated else cluster.context
+    reused_before = reused_tokens(prefilling)
     answers = [
         client.completions.create(model=server_model(server), prompt=PROMPT, **arguments) for _ in range(2)
     ]
+    assert reused_tokens(prefilling) - reused_before >= num_cached
     assert answers[0].choices == answers[1].choices  # cold or with the prefix cached, the same numbers
     assert len(answers[0].choices) == fields.get("n", 1)
     for choice in answers[0].choices:
@@ -216,6 +234,22 @@ def test_streamed_logprobs_equal_the_whole_response(server: ServerProcess) -> No
         for entry in chunk.choices[0].logprobs.content or []
     ]
     assert chat_whole.logprobs is not None and streamed == chat_whole.logprobs.content
+    # Beam search decides its beams at the end: each beam's chunk carries all its records.
+    beams: dict[str, Any] = {
+        **common,
+        "n": 2,
+        "logprobs": 2,
+        "extra_body": {"ignore_eos": True, "use_beam_search": True},
+    }
+    beams.pop("temperature")
+    whole_beams = client.completions.create(prompt=PROMPT, **beams).choices
+    beam_chunks = [
+        chunk.choices[0]
+        for chunk in client.completions.create(prompt=PROMPT, stream=True, **beams)
+        if chunk.choices
+    ]
+    assert len(whole_beams) == 2 and all(choice.logprobs is not None for choice in whole_beams)
+    assert [choice.logprobs for choice in beam_chunks] == [choice.logprobs for choice in whole_beams]
     assert sum(1 for chunk in chat_chunks if chunk.choices and chunk.choices[0].logprobs) >= 4
 
 
