@@ -171,13 +171,9 @@ class LLMEngine(ContextSide):
         for request in batch.decodes:
             num_beams = len(request.tables)
             rows = logprobs[row : row + num_beams]  # [W, V]
-            trie = request.logprob_trie
-            if trie is not None:
-                # Beam search draws its 2W candidates from each row's best 2W.
-                trie.record_rows(rows, model_logprobs[row : row + num_beams], 2 * num_beams)
             step = request.active_decoder.step(rows)
-            if trie is not None:
-                trie.advance(step.parent_indices, step.token_ids, model_logprobs[row : row + num_beams])
+            if request.logprob_trie is not None:  # beam search draws its 2W from each row's best 2W
+                request.logprob_trie.follow(rows, model_logprobs[row : row + num_beams], 2 * num_beams, step)
             request.record_step(step)
             row += num_beams
         for request in started + batch.decodes:
@@ -279,10 +275,8 @@ class LLMEngine(ContextSide):
         candidate_model_logprobs: list[float] | None = None,
     ) -> None:
         """The reservation's blocks now hold the prompt's KV: expand to the beams and join the batch.
-
-        The decoder starts from candidate_logprobs (the context side's float32 row); the scoring
-        records take candidate_model_logprobs (PrefillResult's, in the model's precision; None or
-        empty: candidate_logprobs).
+        The decoder starts from candidate_logprobs; scoring records candidate_model_logprobs (empty:
+        the same numbers).
 
         A hybrid model also needs `recurrent_state`, the state after the whole prompt
         (PrefillResult.recurrent_state); it is installed in beam 0's slot before the beams expand.
@@ -461,28 +455,21 @@ class LLMEngine(ContextSide):
         return request
 
     def _start_decoding(self, request: Request, logprobs: torch.Tensor, model_logprobs: torch.Tensor) -> None:
-        """logprobs: [V] float32 of the last prompt position, model_logprobs: [V] the same in the
-        model's precision; the same candidates a context worker ships."""
+        """logprobs: [V] float32 of the last prompt position (model_logprobs: in report_dtype); the
+        same candidates a context worker ships."""
         candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.params.num_candidates)
         request.state = RequestState.DECODING
         step = request.active_decoder.start(candidate_ids, candidate_logprobs)
-        trie = request.logprob_trie
-        if trie is not None:
-            width = request.params.beam_width
-            top_ids, _ = candidates_from_logprobs(logprobs, max(trie.num_top, 2 * width))
-            trie.record_candidates(top_ids, model_logprobs[top_ids].tolist())
-            trie.advance(step.parent_indices, step.token_ids, model_logprobs[None])
+        if request.logprob_trie is not None:
+            num_kept = 2 * request.params.beam_width
+            request.logprob_trie.follow(logprobs[None], model_logprobs[None], num_kept, step)
         request.record_step(step)
 
     def _progress(self, request: Request) -> RequestOutput:
         deltas, parents = request.take_deltas()
         trie = request.logprob_trie
-        new_logprobs = []
-        if trie is not None and request.params.beam_width == 1 and deltas:
-            new_logprobs = trie.take_streamed(deltas[0])
-        return RequestOutput(
-            request.request_id, deltas, False, parent_indices=parents, new_logprobs=new_logprobs
-        )
+        records = trie.take_streamed(deltas) if trie is not None else []
+        return RequestOutput(request.request_id, deltas, False, parent_indices=parents, new_logprobs=records)
 
     def _finish(self, request: Request) -> RequestOutput:
         self._requests.pop(request.request_id, None)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.beam_search import BeamStep
 from engine.types import TokenLogprob
 
 
@@ -109,6 +110,12 @@ class LogprobTrie:
             for token_id, logprob in zip(ids, lps, strict=True):
                 self._add_edge(node, token_id, logprob)
 
+    def follow(self, rows: torch.Tensor, model_rows: torch.Tensor, num_kept: int, step: BeamStep) -> None:
+        """A decoder stepped from `rows` ([W, V] float32, running order; the first step: the last
+        prompt position's [1, V]): record each row's best max(num_kept, num_top), then advance."""
+        self.record_rows(rows, model_rows, num_kept)
+        self.advance(step.parent_indices, step.token_ids, model_rows)
+
     def advance(
         self, parent_indices: list[int], token_ids: list[int], model_rows: torch.Tensor | None
     ) -> None:
@@ -129,10 +136,13 @@ class LogprobTrie:
         never a candidate, which only exact ties at the rank boundary can cause)."""
         return self._walk_from(0, token_ids)[0]
 
-    def take_streamed(self, token_ids: list[int]) -> list[TokenLogprob]:
-        """One sequence (no beam reorders): the records of its tokens decided since the previous
-        call, which continue the ones that call returned."""
-        records, self.streamed = self._walk_from(self.streamed, token_ids)
+    def take_streamed(self, new_token_ids: list[list[int]]) -> list[TokenLogprob]:
+        """new_token_ids: per running beam, its tokens decided since the previous call. One
+        sequence (no beams to reorder): their records, continuing the ones that call returned;
+        several beams: none (their records come with the finished beams)."""
+        if len(new_token_ids) != 1:
+            return []
+        records, self.streamed = self._walk_from(self.streamed, new_token_ids[0])
         return records
 
     def _walk_from(self, node: int, token_ids: list[int]) -> tuple[list[TokenLogprob], int]:

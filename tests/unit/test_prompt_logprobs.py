@@ -256,6 +256,8 @@ def test_trie_walks_a_finished_beam_and_checks_itself() -> None:
     assert finished[0].top == ((5, -0.1),) and finished[1].top[0][0] == 1
     assert finished[1].logprob == float(model_rows[0, 1]) == finished[1].top[0][1]
     assert math.isnan(trie.walk([7])[0].logprob)  # never a candidate
+    assert trie.take_streamed([[5], [6]]) == []  # beams stream no records: they may reorder
+    assert trie.take_streamed([[5]]) == finished[:1] and trie.take_streamed([[1]]) == finished[1:]
     trie.running = [trie.num_nodes]
     with pytest.raises(AssertionError):
         trie.check_integrity()
