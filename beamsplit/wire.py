@@ -31,6 +31,7 @@ def delta_to_proto(output: RequestOutput, tokenizer: Tokenizer) -> common_pb2.De
         beams=[common_pb2.TokenIds(token_ids=list(token_ids)) for token_ids in output.new_token_ids],
         texts=[tokenizer.decode(list(token_ids)) for token_ids in output.new_token_ids],
         parent_indices=list(output.parent_indices),
+        logprobs=token_logprobs_to_proto(output.new_logprobs),
     )
 
 

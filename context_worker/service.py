@@ -53,6 +53,7 @@ class HeldPrompt:
     prompt_len: int
     candidate_ids: list[int]
     candidate_logprobs: list[float]
+    candidate_model_logprobs: list[float]
     reused_tokens: int
     lease_deadline_unix_ms: int
     recurrent_state: bytes  # hybrid models: the state after the prompt; empty otherwise
@@ -187,6 +188,7 @@ class ContextService:
             prompt_len=result.prompt_len,
             candidate_ids=list(result.candidate_ids),
             candidate_logprobs=list(result.candidate_logprobs),
+            candidate_model_logprobs=list(result.candidate_model_logprobs),
             reused_tokens=result.reused_tokens,
             recurrent_state=result.recurrent_state,
             num_tokens_before_hybrid_pruning=result.num_tokens_before_hybrid_pruning,

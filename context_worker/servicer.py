@@ -119,6 +119,7 @@ class ContextWorkerServicer(worker_pb2_grpc.ContextWorkerServicer):
             prompt_len=held.prompt_len,
             candidate_ids=held.candidate_ids,
             candidate_logprobs=held.candidate_logprobs,
+            candidate_model_logprobs=held.candidate_model_logprobs,
             secret=held.secret,
             lease_deadline_unix_ms=held.lease_deadline_unix_ms,
             reused_tokens=held.reused_tokens,

@@ -97,7 +97,7 @@ class ContextSide:
                 request.prompt_scores.extend(forward.scores[0])
                 request.num_computed_tokens += num_tokens
                 if request.num_uncomputed_tokens == 0:
-                    return self._complete_prefill(request, forward.logprobs[0])
+                    return self._complete_prefill(request, forward.logprobs[0], forward.model_logprobs[0])
         except BaseException:
             self.abort(request_id)
             raise
@@ -108,10 +108,13 @@ class ContextSide:
         if table is not None:
             self.kv_cache.free(table)
 
-    def _complete_prefill(self, request: Request, logprobs: torch.Tensor) -> PrefillResult:
+    def _complete_prefill(
+        self, request: Request, logprobs: torch.Tensor, model_logprobs: torch.Tensor
+    ) -> PrefillResult:
         """A prefill-only request's last chunk ran: commit and pin its table, return its candidates.
 
-        logprobs: [V] of the last prompt position."""
+        logprobs: [V] float32 of the last prompt position (the decoders'); model_logprobs: [V] the
+        same in the model's precision (the scoring records')."""
         assert request.prefill_num_candidates is not None
         self._commit_prompt(request)
         state = self.state_pool.read(request.state_slot_ids[0]) if self.state_pool is not None else b""
@@ -121,9 +124,14 @@ class ContextSide:
         self.scheduler.remove(request)
         self._prefilled[request.request_id] = table
         candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.prefill_num_candidates)
+        # A float32 model reports the decoder's own values: nothing more to ship (sampling may
+        # ship the whole vocabulary's candidates).
+        is_same = model_logprobs.dtype == logprobs.dtype  # report_dtype float32: the same row
+        model_values = [] if is_same else model_logprobs[candidate_ids].tolist()
         return PrefillResult(
             request.request_id, list(table.block_ids), request.prompt_len, candidate_ids, candidate_logprobs,
             request.num_cached_tokens,
+            candidate_model_logprobs=model_values,
             recurrent_state=state,
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
             prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,

@@ -146,7 +146,8 @@ class LLMEngine(ContextSide):
         if not seqs:
             return outputs
         forward = self.runner.forward(seqs)
-        logprobs = forward.logprobs  # [B, V] float32
+        logprobs = forward.logprobs  # [B, V] float32: the decoders'
+        model_logprobs = forward.model_logprobs  # [B, V] report_dtype: the records'
         started: list[Request] = []
         for row, chunk in enumerate(batch.prefills):
             request = chunk.request
@@ -158,25 +159,21 @@ class LLMEngine(ContextSide):
                 self._commit_prompt(request, request.num_computed_tokens)
                 continue
             if request.is_prefill_only:
-                result = self._complete_prefill(request, logprobs[row])
+                result = self._complete_prefill(request, logprobs[row], model_logprobs[row])
                 outputs.append(
                     RequestOutput(request.request_id, [], True, stats=request.stats(), prefill=result)
                 )
                 continue
             self._commit_prompt(request)
-            self._start_decoding(request, logprobs[row])
+            self._start_decoding(request, logprobs[row], model_logprobs[row])
             started.append(request)
         row = len(batch.prefills)
         for request in batch.decodes:
             num_beams = len(request.tables)
             rows = logprobs[row : row + num_beams]  # [W, V]
-            trie = request.logprob_trie
-            if trie is not None:
-                # Beam search draws its 2W candidates from each row's best 2W.
-                trie.record_rows(rows, 2 * num_beams)
             step = request.active_decoder.step(rows)
-            if trie is not None:
-                trie.advance(step.parent_indices, step.token_ids, rows)
+            if request.logprob_trie is not None:  # beam search draws its 2W from each row's best 2W
+                request.logprob_trie.follow(rows, model_logprobs[row : row + num_beams], 2 * num_beams, step)
             request.record_step(step)
             row += num_beams
         for request in started + batch.decodes:
@@ -275,8 +272,11 @@ class LLMEngine(ContextSide):
         candidate_ids: list[int],
         candidate_logprobs: list[float],
         recurrent_state: bytes = b"",
+        candidate_model_logprobs: list[float] | None = None,
     ) -> None:
         """The reservation's blocks now hold the prompt's KV: expand to the beams and join the batch.
+        The decoder starts from candidate_logprobs; scoring records candidate_model_logprobs (empty:
+        the same numbers).
 
         A hybrid model also needs `recurrent_state`, the state after the whole prompt
         (PrefillResult.recurrent_state); it is installed in beam 0's slot before the beams expand.
@@ -293,7 +293,9 @@ class LLMEngine(ContextSide):
         # reservation as it was.
         first_step = request.active_decoder.start(list(candidate_ids), list(candidate_logprobs))
         if request.logprob_trie is not None:
-            request.logprob_trie.record_candidates(list(candidate_ids), list(candidate_logprobs))
+            request.logprob_trie.record_candidates(
+                list(candidate_ids), list(candidate_model_logprobs or candidate_logprobs)
+            )
             request.logprob_trie.advance(first_step.parent_indices, first_step.token_ids, None)
         if self.state_pool is not None:
             if len(recurrent_state) != self.state_pool.state_bytes:
@@ -452,22 +454,22 @@ class LLMEngine(ContextSide):
             request.logprob_trie = LogprobTrie(params.logprobs)
         return request
 
-    def _start_decoding(self, request: Request, logprobs: torch.Tensor) -> None:
-        """logprobs: [V] of the last prompt position; the same candidates a context worker ships."""
+    def _start_decoding(self, request: Request, logprobs: torch.Tensor, model_logprobs: torch.Tensor) -> None:
+        """logprobs: [V] float32 of the last prompt position (model_logprobs: in report_dtype); the
+        same candidates a context worker ships."""
         candidate_ids, candidate_logprobs = candidates_from_logprobs(logprobs, request.params.num_candidates)
         request.state = RequestState.DECODING
         step = request.active_decoder.start(candidate_ids, candidate_logprobs)
-        trie = request.logprob_trie
-        if trie is not None:
-            width = request.params.beam_width
-            top_ids, top_logprobs = candidates_from_logprobs(logprobs, max(trie.num_top, 2 * width))
-            trie.record_candidates(top_ids, top_logprobs)
-            trie.advance(step.parent_indices, step.token_ids, logprobs[None])
+        if request.logprob_trie is not None:
+            num_kept = 2 * request.params.beam_width
+            request.logprob_trie.follow(logprobs[None], model_logprobs[None], num_kept, step)
         request.record_step(step)
 
     def _progress(self, request: Request) -> RequestOutput:
         deltas, parents = request.take_deltas()
-        return RequestOutput(request.request_id, deltas, False, parent_indices=parents)
+        trie = request.logprob_trie
+        records = trie.take_streamed(deltas) if trie is not None else []
+        return RequestOutput(request.request_id, deltas, False, parent_indices=parents, new_logprobs=records)
 
     def _finish(self, request: Request) -> RequestOutput:
         self._requests.pop(request.request_id, None)

@@ -5,7 +5,9 @@ hybrid model state slots and snapshot requests) into tensors once; the rest is t
 Any mix of prompt chunks and single decode tokens.
 
 Log-probs are `log_softmax` of the logits cast to float32, as transformers' `generate` computes
-them whatever the model's dtype: beam search arithmetic is then identical to the reference.
+them whatever the model's dtype: beam search arithmetic is then identical to the reference. The
+same rows in the model's precision (float64 for a float64 model) come beside them for what is
+reported to the client (engine/logprobs.py); for a float32 model they are the same tensor.
 
 Scoring rows (a prompt's every position, engine/logprobs.py) go through the final norm and the LM
 head SCORE_ROW_CHUNK at a time, outside the batch's row layout: [P, V] never exists for a long
@@ -25,7 +27,7 @@ import torch
 from engine.attention import AttentionMetadata, prepare_attention
 from engine.batch_invariant import make_row_layout, row_layout
 from engine.kv_pool import KVPool
-from engine.logprobs import score_rows
+from engine.logprobs import report_logprobs, score_rows
 from engine.models.lfm2 import Lfm2Model
 from engine.models.loader import Model
 from engine.models.short_conv import RecurrentMetadata, prepare_recurrent
@@ -57,7 +59,8 @@ class SequenceInput:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logprobs: torch.Tensor  # [B, V] float32, each sequence's last new token
+    logprobs: torch.Tensor  # [B, V] float32, each sequence's last new token: what decoders use
+    model_logprobs: torch.Tensor  # [B, V] the same rows in report_dtype: what is reported
     scores: list[list[TokenLogprob]]  # [B] lists, one record per score target (empty: none asked)
 
 
@@ -140,8 +143,10 @@ class ModelRunner:
             else:
                 hidden = self.model.hidden_states(batch.input_ids, positions, self.kv_pool, batch.metadata)
             logits = self.model.compute_logits(hidden[batch.metadata.logits_indices])  # [B, V]
-        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()
-        return ForwardOutput(logprobs, self._score(hidden, seqs, batch.metadata.query_start_loc.tolist()))
+        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()  # [B, V]
+        model_logprobs = report_logprobs(logits, logprobs).cpu()  # [B, V]; float32: logprobs itself
+        scores = self._score(hidden, seqs, batch.metadata.query_start_loc.tolist())
+        return ForwardOutput(logprobs, model_logprobs, scores)
 
     def _score(
         self, hidden: torch.Tensor, seqs: Sequence[SequenceInput], starts: list[int]

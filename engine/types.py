@@ -39,6 +39,8 @@ class RequestOutput:
     prefill: PrefillResult | None = None
     # Finished output of a request with prompt_logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A one-sequence request with logprobs, not finished: the records of new_token_ids[0].
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,11 @@ class PrefillResult:
     block_ids: list[int]  # ceil(P / T) blocks holding the prompt's KV, pinned until released
     prompt_len: int
     candidate_ids: list[int]  # top next tokens of the last prompt position, best first
-    candidate_logprobs: list[float]  # float64 log_softmax of the logits, same order
+    candidate_logprobs: list[float]  # float32 log_softmax of the logits (the decoders'), same order
     reused_tokens: int
+    # The same candidates' log-probs in the model's precision (engine/logprobs.py report_dtype):
+    # what a scored request reports for its first token. Empty (a float32 model): candidate_logprobs.
+    candidate_model_logprobs: list[float] = field(default_factory=list)
     # Hybrid models: the recurrent state after the whole prompt, raw bytes in the model's dtype
     # (engine/state_pool.py layout); empty for a model without recurrent layers.
     recurrent_state: bytes = b""

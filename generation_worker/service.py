@@ -138,6 +138,7 @@ class GenerationService:
                     list(handoff.candidate_ids),
                     list(handoff.candidate_logprobs),
                     bytes(handoff.recurrent_state),  # hybrid: installed before the beams expand
+                    list(handoff.candidate_model_logprobs),
                 ),
                 timeout_s=self._timeouts.engine_s,
             )

@@ -35,6 +35,7 @@ from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.openai_response import (
     HTTP_STATUS,
     INTERNAL_ERROR,
+    LogprobStream,
     ResponseWriter,
     TextStream,
     error_body,
@@ -214,21 +215,34 @@ class OpenAIFront:
         writer: ResponseWriter,
         is_chat: bool,
     ) -> AsyncIterator[str]:
-        """Server-sent events; a disconnect cancels this generator, and `finally` stops the backend."""
+        """Server-sent events; a disconnect cancels this generator, and `finally` stops the backend.
+
+        With logprobs, a one-sequence stream sends each delta's records with the text released
+        with it (text held back for a stop string or a split character may be empty): every
+        token's record arrives once, in order, the last ones with the final chunk."""
         text_stream = TextStream(self._tokenizer, parsed.stop)
+        records = LogprobStream(writer)
         try:
             if is_chat:
                 yield _event(writer.chunk(0, "", None))
             response = first
             while response is not None:
-                if response.HasField("delta") and not parsed.is_beam_search and response.delta.beams:
-                    text = text_stream.add(list(response.delta.beams[0].token_ids))
-                    if text:
-                        yield _event(writer.chunk(0, text, None))
+                delta = response.delta if response.HasField("delta") else None
+                if delta is not None and delta.beams and not parsed.is_beam_search:
+                    text = text_stream.add(list(delta.beams[0].token_ids))
+                    logprobs = records.add(delta.logprobs)
+                    if text or logprobs is not None:
+                        yield _event(writer.chunk(0, text, None, logprobs=logprobs))
                 if response.HasField("final"):
-                    for index, choice in enumerate(final_choices(response.final, parsed)):
-                        text = choice.text if parsed.is_beam_search else text_stream.finish(choice.text)
-                        yield _event(writer.chunk(index, text, choice.finish_reason, choice.extension()))
+                    choices = final_choices(response.final, parsed, self._tokenizer, is_chat=is_chat)
+                    for index, choice in enumerate(choices):
+                        text, logprobs = choice.text, choice.logprobs
+                        if not parsed.is_beam_search:
+                            text = text_stream.finish(choice.text)
+                            logprobs = records.finish(response.final.beams[0].logprobs, parsed)
+                        yield _event(
+                            writer.chunk(index, text, choice.finish_reason, choice.extension(), logprobs)
+                        )
                     if parsed.include_usage:
                         yield _event(writer.usage_chunk(response.final))
                     yield "data: [DONE]\n\n"

@@ -2,7 +2,8 @@
 
 Beam search decides its beams only at the end (live beams reorder and get dropped), so a streamed
 beam-search request gets one chunk per returned beam after the search ends. A one-sequence
-request (greedy or sampling) streams its text as tokens are decided, cut at the first stop string.
+request (greedy or sampling) streams its text as tokens are decided, cut at the first stop string,
+and with logprobs each chunk carries its tokens' records (`LogprobStream`, from `Delta.logprobs`).
 Every choice carries beamsplit's extension fields `token_ids`, `cumulative_logprob` and `score`.
 """
 
@@ -193,19 +194,36 @@ class ResponseWriter:
         return body
 
     def chunk(
-        self, index: int, text: str | None, finish_reason: str | None, extension: dict[str, Any] | None = None
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        extension: dict[str, Any] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """One stream chunk; logprobs: the OpenAI object of this chunk's tokens (logprobs_of)."""
         body = self._envelope("chat.completion.chunk" if self._is_chat else "text_completion")
         choice: dict[str, Any] = {"index": index}
         if self._is_chat:
             choice["delta"] = {} if text is None else {"role": "assistant", "content": text}
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         choice.update(extension or {})
         body["choices"] = [choice]
         return body
+
+    def logprobs_of(
+        self, records: Sequence[common_pb2.TokenLogprob], text_offset: int
+    ) -> dict[str, Any] | None:
+        """The records of some generated tokens in OpenAI's shape (None without a tokenizer);
+        text_offset: where the first one starts in the choice's text (completions)."""
+        if self._tokenizer is None:
+            return None
+        if self._is_chat:
+            return chat_logprobs(self._tokenizer, records)
+        return completion_logprobs(self._tokenizer, None, records, text_offset)
 
     def usage_chunk(self, final: common_pb2.FinalResult) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self._is_chat else "text_completion")
@@ -238,3 +256,34 @@ def usage(final: common_pb2.FinalResult, choices: Sequence[Choice]) -> dict[str,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+class LogprobStream:
+    """One sequence's log-prob records as a stream sends them: each once, in order, every chunk
+    with its own tokens' (as OpenAI streams them), completions' text offsets running on."""
+
+    def __init__(self, writer: ResponseWriter) -> None:
+        self._writer = writer
+        self._num_sent = 0
+        self._text_offset = 0
+
+    def add(self, records: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        """A delta's records (None when it has none: no logprobs asked)."""
+        if not records:
+            return None
+        return self._send(records)
+
+    def finish(
+        self, records: Sequence[common_pb2.TokenLogprob], parsed: CompletionRequest
+    ) -> dict[str, Any] | None:
+        """records: the final beam's, all of them; the ones no delta carried go with the last chunk."""
+        if parsed.num_logprobs is None:
+            return None
+        return self._send([] if parsed.drops_generated else list(records)[self._num_sent :])
+
+    def _send(self, records: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        body = self._writer.logprobs_of(records, self._text_offset)
+        self._num_sent += len(records)
+        if body is not None:
+            self._text_offset += sum(len(token) for token in body.get("tokens", []))
+        return body

@@ -104,8 +104,10 @@ def parse_completion_request(body: object, model_name: str) -> CompletionRequest
     num_logprobs = _num_logprobs(fields, "logprobs")
     prompts = _prompts(fields.get("prompt"))
     parsed = _with_sampling(_prompt_request(prompts[0]), fields, "prompt", max_tokens_name="max_tokens")
-    if parsed.is_stream and (echo or num_logprobs is not None or len(prompts) > 1):
-        param = "echo" if echo else "logprobs" if num_logprobs is not None else "prompt"
+    # Streamed log-probs are the generated tokens', chunk by chunk; echo's prompt scores are not
+    # streamed (OpenAI's current completions model refuses echo with logprobs altogether).
+    if parsed.is_stream and (echo or len(prompts) > 1):
+        param = "echo" if echo else "prompt"
         raise OpenAIRequestError(param, f"{param}: not supported with stream (ask without streaming)")
     sampling = parsed.request.sampling
     if num_logprobs is not None:
@@ -202,8 +204,6 @@ def parse_chat_request(body: object, model_name: str, tokenizer: Tokenizer) -> C
     parsed = _with_sampling(request, fields, "messages", max_tokens_name=max_tokens_name)
     if not wants_logprobs:
         return parsed
-    if parsed.is_stream:
-        raise OpenAIRequestError("logprobs", "logprobs: not supported with stream (ask without streaming)")
     parsed.request.sampling.logprobs = num_top or 0
     return replace(parsed, num_logprobs=num_top or 0)
 

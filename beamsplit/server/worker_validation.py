@@ -51,8 +51,12 @@ def check_handoff(handoff: worker_pb2.Handoff, vocab_size: int) -> None:
             f"handoff.candidate_logprobs has {len(handoff.candidate_logprobs)} entries for "
             f"{len(handoff.candidate_ids)} candidate_ids"
         )
-    for index, logprob in enumerate(handoff.candidate_logprobs):
-        if math.isnan(logprob) or logprob > 0:
-            raise RequestValidationError(
-                f"handoff.candidate_logprobs[{index}] = {logprob} is not a log-probability"
-            )
+    if len(handoff.candidate_model_logprobs) not in (0, len(handoff.candidate_ids)):
+        raise RequestValidationError(
+            f"handoff.candidate_model_logprobs has {len(handoff.candidate_model_logprobs)} entries for "
+            f"{len(handoff.candidate_ids)} candidate_ids"
+        )
+    for name in ("candidate_logprobs", "candidate_model_logprobs"):
+        for index, logprob in enumerate(getattr(handoff, name)):
+            if math.isnan(logprob) or logprob > 0:
+                raise RequestValidationError(f"handoff.{name}[{index}] = {logprob} is not a log-probability")

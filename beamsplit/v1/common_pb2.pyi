@@ -65,14 +65,16 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("beams", "texts", "parent_indices")
+    __slots__ = ("beams", "texts", "parent_indices", "logprobs")
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     PARENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     beams: _containers.RepeatedCompositeFieldContainer[TokenIds]
     texts: _containers.RepeatedScalarFieldContainer[str]
     parent_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, beams: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., parent_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, beams: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., parent_indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Beam(_message.Message):
     __slots__ = ("token_ids", "text", "cumulative_logprob", "score", "finish_reason", "logprobs")

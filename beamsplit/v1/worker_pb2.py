@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from beamsplit.v1 import common_pb2 as beamsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x65\x61msplit/v1/worker.proto\x12\x0c\x62\x65\x61msplit.v1\x1a\x19\x62\x65\x61msplit/v1/common.proto\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\x16\n\x0enum_candidates\x18\x04 \x01(\x05\x12\x0c\n\x04salt\x18\x05 \x01(\x0c\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"h\n\nPageLayout\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\x05\x12\x12\n\npage_bytes\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\"\xfe\x02\n\x07Handoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0bucx_address\x18\x03 \x01(\t\x12\x17\n\x0f\x63ontext_address\x18\x04 \x01(\t\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.beamsplit.v1.PageLayout\x12\x10\n\x08page_ids\x18\x06 \x03(\x03\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x15\n\rcandidate_ids\x18\x08 \x03(\x03\x12\x1a\n\x12\x63\x61ndidate_logprobs\x18\t \x03(\x01\x12\x0e\n\x06secret\x18\n \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x0b \x01(\x03\x12\x15\n\rreused_tokens\x18\x0c \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\r \x01(\x05\x12\x17\n\x0frecurrent_state\x18\x0e \x01(\x0c\x12(\n num_tokens_before_hybrid_pruning\x18\x0f \x01(\x05\"\x82\x01\n\x0fPrefillResponse\x12&\n\x07handoff\x18\x01 \x01(\x0b\x32\x15.beamsplit.v1.Handoff\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.beamsplit.v1.TokenLogprob\"5\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"9\n\x10HeartbeatRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65xtend_s\x18\x02 \x01(\x01\"B\n\x11HeartbeatResponse\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12\x1e\n\x16lease_deadline_unix_ms\x18\x02 \x01(\x03\"\x94\x01\n\x11GenerationRequest\x12&\n\x07handoff\x18\x01 \x01(\x0b\x32\x15.beamsplit.v1.Handoff\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.beamsplit.v1.SamplingOptions\x12\x0c\n\x04salt\x18\x04 \x01(\x0c\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xf3\x02\n\rContextWorker\x12\x46\n\x07Prefill\x12\x1c.beamsplit.v1.PrefillRequest\x1a\x1d.beamsplit.v1.PrefillResponse\x12\x46\n\x07Release\x12\x1c.beamsplit.v1.ReleaseRequest\x1a\x1d.beamsplit.v1.ReleaseResponse\x12L\n\tHeartbeat\x12\x1e.beamsplit.v1.HeartbeatRequest\x1a\x1f.beamsplit.v1.HeartbeatResponse\x12>\n\x07GetLoad\x12\x19.beamsplit.v1.LoadRequest\x1a\x18.beamsplit.v1.WorkerLoad\x12\x44\n\x07GetInfo\x12\x1f.beamsplit.v1.WorkerInfoRequest\x1a\x18.beamsplit.v1.WorkerInfo2\xac\x02\n\x10GenerationWorker\x12M\n\x08Generate\x12\x1f.beamsplit.v1.GenerationRequest\x1a\x1e.beamsplit.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.beamsplit.v1.CancelRequest\x1a\x1c.beamsplit.v1.CancelResponse\x12>\n\x07GetLoad\x12\x19.beamsplit.v1.LoadRequest\x1a\x18.beamsplit.v1.WorkerLoad\x12\x44\n\x07GetInfo\x12\x1f.beamsplit.v1.WorkerInfoRequest\x1a\x18.beamsplit.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x65\x61msplit/v1/worker.proto\x12\x0c\x62\x65\x61msplit.v1\x1a\x19\x62\x65\x61msplit/v1/common.proto\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\x16\n\x0enum_candidates\x18\x04 \x01(\x05\x12\x0c\n\x04salt\x18\x05 \x01(\x0c\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"h\n\nPageLayout\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\x05\x12\x12\n\npage_bytes\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\"\xa0\x03\n\x07Handoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0bucx_address\x18\x03 \x01(\t\x12\x17\n\x0f\x63ontext_address\x18\x04 \x01(\t\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.beamsplit.v1.PageLayout\x12\x10\n\x08page_ids\x18\x06 \x03(\x03\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x15\n\rcandidate_ids\x18\x08 \x03(\x03\x12\x1a\n\x12\x63\x61ndidate_logprobs\x18\t \x03(\x01\x12\x0e\n\x06secret\x18\n \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x0b \x01(\x03\x12\x15\n\rreused_tokens\x18\x0c \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\r \x01(\x05\x12\x17\n\x0frecurrent_state\x18\x0e \x01(\x0c\x12(\n num_tokens_before_hybrid_pruning\x18\x0f \x01(\x05\x12 \n\x18\x63\x61ndidate_model_logprobs\x18\x10 \x03(\x01\"\x82\x01\n\x0fPrefillResponse\x12&\n\x07handoff\x18\x01 \x01(\x0b\x32\x15.beamsplit.v1.Handoff\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.beamsplit.v1.TokenLogprob\"5\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"9\n\x10HeartbeatRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65xtend_s\x18\x02 \x01(\x01\"B\n\x11HeartbeatResponse\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12\x1e\n\x16lease_deadline_unix_ms\x18\x02 \x01(\x03\"\x94\x01\n\x11GenerationRequest\x12&\n\x07handoff\x18\x01 \x01(\x0b\x32\x15.beamsplit.v1.Handoff\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.beamsplit.v1.SamplingOptions\x12\x0c\n\x04salt\x18\x04 \x01(\x0c\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xf3\x02\n\rContextWorker\x12\x46\n\x07Prefill\x12\x1c.beamsplit.v1.PrefillRequest\x1a\x1d.beamsplit.v1.PrefillResponse\x12\x46\n\x07Release\x12\x1c.beamsplit.v1.ReleaseRequest\x1a\x1d.beamsplit.v1.ReleaseResponse\x12L\n\tHeartbeat\x12\x1e.beamsplit.v1.HeartbeatRequest\x1a\x1f.beamsplit.v1.HeartbeatResponse\x12>\n\x07GetLoad\x12\x19.beamsplit.v1.LoadRequest\x1a\x18.beamsplit.v1.WorkerLoad\x12\x44\n\x07GetInfo\x12\x1f.beamsplit.v1.WorkerInfoRequest\x1a\x18.beamsplit.v1.WorkerInfo2\xac\x02\n\x10GenerationWorker\x12M\n\x08Generate\x12\x1f.beamsplit.v1.GenerationRequest\x1a\x1e.beamsplit.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.beamsplit.v1.CancelRequest\x1a\x1c.beamsplit.v1.CancelResponse\x12>\n\x07GetLoad\x12\x19.beamsplit.v1.LoadRequest\x1a\x18.beamsplit.v1.WorkerLoad\x12\x44\n\x07GetInfo\x12\x1f.beamsplit.v1.WorkerInfoRequest\x1a\x18.beamsplit.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGELAYOUT']._serialized_start=257
   _globals['_PAGELAYOUT']._serialized_end=361
   _globals['_HANDOFF']._serialized_start=364
-  _globals['_HANDOFF']._serialized_end=746
-  _globals['_PREFILLRESPONSE']._serialized_start=749
-  _globals['_PREFILLRESPONSE']._serialized_end=879
-  _globals['_RELEASEREQUEST']._serialized_start=881
-  _globals['_RELEASEREQUEST']._serialized_end=934
-  _globals['_RELEASERESPONSE']._serialized_start=936
-  _globals['_RELEASERESPONSE']._serialized_end=971
-  _globals['_HEARTBEATREQUEST']._serialized_start=973
-  _globals['_HEARTBEATREQUEST']._serialized_end=1030
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1032
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1098
-  _globals['_GENERATIONREQUEST']._serialized_start=1101
-  _globals['_GENERATIONREQUEST']._serialized_end=1249
-  _globals['_CANCELREQUEST']._serialized_start=1251
-  _globals['_CANCELREQUEST']._serialized_end=1286
-  _globals['_CANCELRESPONSE']._serialized_start=1288
-  _globals['_CANCELRESPONSE']._serialized_end=1323
-  _globals['_CONTEXTWORKER']._serialized_start=1326
-  _globals['_CONTEXTWORKER']._serialized_end=1697
-  _globals['_GENERATIONWORKER']._serialized_start=1700
-  _globals['_GENERATIONWORKER']._serialized_end=2000
+  _globals['_HANDOFF']._serialized_end=780
+  _globals['_PREFILLRESPONSE']._serialized_start=783
+  _globals['_PREFILLRESPONSE']._serialized_end=913
+  _globals['_RELEASEREQUEST']._serialized_start=915
+  _globals['_RELEASEREQUEST']._serialized_end=968
+  _globals['_RELEASERESPONSE']._serialized_start=970
+  _globals['_RELEASERESPONSE']._serialized_end=1005
+  _globals['_HEARTBEATREQUEST']._serialized_start=1007
+  _globals['_HEARTBEATREQUEST']._serialized_end=1064
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1066
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1132
+  _globals['_GENERATIONREQUEST']._serialized_start=1135
+  _globals['_GENERATIONREQUEST']._serialized_end=1283
+  _globals['_CANCELREQUEST']._serialized_start=1285
+  _globals['_CANCELREQUEST']._serialized_end=1320
+  _globals['_CANCELRESPONSE']._serialized_start=1322
+  _globals['_CANCELRESPONSE']._serialized_end=1357
+  _globals['_CONTEXTWORKER']._serialized_start=1360
+  _globals['_CONTEXTWORKER']._serialized_end=1731
+  _globals['_GENERATIONWORKER']._serialized_start=1734
+  _globals['_GENERATIONWORKER']._serialized_end=2034
 # @@protoc_insertion_point(module_scope)

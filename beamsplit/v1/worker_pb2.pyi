@@ -40,7 +40,7 @@ class PageLayout(_message.Message):
     def __init__(self, region: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "ucx_address", "context_address", "layout", "page_ids", "prompt_len", "candidate_ids", "candidate_logprobs", "secret", "lease_deadline_unix_ms", "reused_tokens", "attempt", "recurrent_state", "num_tokens_before_hybrid_pruning")
+    __slots__ = ("request_id", "transfer_id", "ucx_address", "context_address", "layout", "page_ids", "prompt_len", "candidate_ids", "candidate_logprobs", "secret", "lease_deadline_unix_ms", "reused_tokens", "attempt", "recurrent_state", "num_tokens_before_hybrid_pruning", "candidate_model_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class Handoff(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RECURRENT_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_BEFORE_HYBRID_PRUNING_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_MODEL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     ucx_address: str
@@ -71,7 +72,8 @@ class Handoff(_message.Message):
     attempt: int
     recurrent_state: bytes
     num_tokens_before_hybrid_pruning: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., ucx_address: _Optional[str] = ..., context_address: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_logprobs: _Optional[_Iterable[float]] = ..., secret: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., recurrent_state: _Optional[bytes] = ..., num_tokens_before_hybrid_pruning: _Optional[int] = ...) -> None: ...
+    candidate_model_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., ucx_address: _Optional[str] = ..., context_address: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_logprobs: _Optional[_Iterable[float]] = ..., secret: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., recurrent_state: _Optional[bytes] = ..., num_tokens_before_hybrid_pruning: _Optional[int] = ..., candidate_model_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("handoff", "prefill_ms", "prompt_logprobs")

@@ -125,11 +125,14 @@ TOKENIZER_CORPUS = (
 )
 
 
-def write_random_llama_with_tokenizer(directory: str | Path, *, vocab_size: int = 300, seed: int = 0) -> Path:
+def write_random_llama_with_tokenizer(
+    directory: str | Path, *, vocab_size: int = 300, seed: int = 0, chat_template: str | None = None
+) -> Path:
     """A random Llama checkpoint with a real byte-level BPE `tokenizer.json` (trained here on a
     fixed corpus, so it is the same everywhere) and a `tokenizer_config.json` that transformers'
     AutoTokenizer loads: the directory any Hugging Face tool (lm-eval's `hf` model) can open.
-    Specials: <unk> 0, <s> 1 (bos), </s> 2 (eos); the model's vocabulary is the tokenizer's."""
+    Specials: <unk> 0, <s> 1 (bos), </s> 2 (eos); the model's vocabulary is the tokenizer's.
+    chat_template: written into tokenizer_config.json (chat completions need one)."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -157,5 +160,7 @@ def write_random_llama_with_tokenizer(directory: str | Path, *, vocab_size: int 
         "add_bos_token": False,
         "model_max_length": 512,
     }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return directory

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP front, driven with the official `openai` client as users drive it.
 
-One deployment per module (`tiny`, float64, block 32) with the front on the coordinator and on the
-aggregated server. The context worker has 4 pages and the aggregated server 64, so a long prompt
-is refused for lack of KV space. Beam-search choices must equal the gRPC result of the same
-request token for token and score for score; every refusal names its field; every test ends with
-every KV pool back to zero blocks in use. A last test starts SmolLM2 for one chat completion.
+The module's deployment (tests/helpers/http_front.py: `tiny`, float64, the front on the
+coordinator and on the aggregated server). Beam-search choices must equal the gRPC result of the
+same request token for token and score for score; every refusal names its field; every test ends
+with every KV pool back to zero blocks in use. A last test starts SmolLM2 for one chat completion.
+Stop strings: test_http_stop_strings.py; log-probs: test_http_logprobs.py.
 """
 
 from __future__ import annotations
@@ -25,74 +25,30 @@ import pytest
 
 from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import ProcessGroup, ServerProcess
-from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS, LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import DEFAULT_ENGINE_ARGUMENTS, LocalCluster
 from beamsplit.v1 import common_pb2
 from engine.models.loader import load_model_tokenizer
-
-MODEL = "tiny"
-CONTEXT_BLOCKS = 4  # a context worker holds prompts of up to 128 tokens
-AGGREGATED_BLOCKS = 64  # 2048 tokens
-SCORE_TOLERANCE = 1e-9
-SERVERS = ["coordinator", "aggregated"]
+from tests.helpers.http_front import (
+    MODEL,
+    SERVERS,
+    assert_choices_equal_beams,
+    assert_pools_empty,
+    client_of,
+    grpc_beams,
+    http_cluster,
+    prompt_ids,
+    serve_each,
+)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    log_dir: Path = tmp_path_factory.mktemp("http-front")
-    started = start_local_cluster(
-        log_dir,
-        startup_timeout_s=180.0,
-        context_arguments=["--num-blocks", str(CONTEXT_BLOCKS)],
-        aggregated_arguments=["--num-blocks", str(AGGREGATED_BLOCKS)],
-        http=True,
-    )
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
+    yield from http_cluster(tmp_path_factory, "http-front")
 
 
 @pytest.fixture(params=SERVERS)
 def server(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[ServerProcess]:
-    yield getattr(cluster, request.param)
-    assert_pools_empty(cluster)
-
-
-def client_of(server: ServerProcess) -> openai.OpenAI:
-    # No retries: a 429 or 503 must reach the test as it reached the client.
-    return openai.OpenAI(base_url=server.http_url, api_key="x", max_retries=0, timeout=120.0)
-
-
-def assert_pools_empty(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    blocks = cluster.blocks_in_use()
-    while any(value != 0 for value in blocks.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        blocks = cluster.blocks_in_use()
-    assert all(value == 0 for value in blocks.values()), f"KV blocks still in use: {blocks}"
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    return [(seed * 31 + index * 7) % 256 for index in range(length)]
-
-
-def grpc_beams(
-    server: ServerProcess, token_ids: list[int], beam_width: int, max_new_tokens: int
-) -> list[Any]:
-    sampling = common_pb2.SamplingOptions(beam_width=beam_width, max_new_tokens=max_new_tokens)
-    with BeamsplitClient(server.address) as client:
-        return client.generate(build_request(token_ids=token_ids, sampling=sampling), timeout_s=120.0).beams
-
-
-def assert_choices_equal_beams(choices: list[Any], beams: list[Any]) -> None:
-    assert len(choices) == len(beams)
-    for index, (choice, beam) in enumerate(zip(choices, beams, strict=True)):
-        assert choice.index == index
-        assert choice.token_ids == beam.token_ids, f"choice {index} tokens differ"
-        assert choice.finish_reason == beam.finish_reason
-        assert choice.cumulative_logprob == pytest.approx(beam.cumulative_logprob, abs=SCORE_TOLERANCE)
-        assert choice.score == pytest.approx(beam.score, abs=SCORE_TOLERANCE)
+    yield from serve_each(request, cluster)
 
 
 def test_models(server: ServerProcess) -> None:
@@ -187,91 +143,6 @@ def test_greedy_text_streamed_and_not(server: ServerProcess) -> None:
     assert len(chunks) >= 2  # text arrives as it is decided, not all at the end
     assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
     assert [chunk.choices[0].finish_reason for chunk in chunks][-1] == whole.choices[0].finish_reason
-
-
-def test_stop_string_cuts_the_text(server: ServerProcess) -> None:
-    prompt = "stop strings"
-    client = client_of(server)
-    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
-    stop = full[4:6]
-    expected = full[: full.find(stop)]
-    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
-    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
-    chunks = list(
-        client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True
-        )
-    )
-    assert "".join(chunk.choices[0].text for chunk in chunks) == expected
-    assert chunks[-1].choices[0].finish_reason == "stop"
-
-
-def first_stop_token(token_ids: list[int], stop: str) -> int:
-    """Index of the token after which the generated text first holds `stop` (whole-text decodes)."""
-    tokenizer = load_model_tokenizer(MODEL)
-    return next(end for end in range(len(token_ids)) if stop in tokenizer.decode(token_ids[: end + 1]))
-
-
-def test_stop_string_ends_the_request_in_the_engine(server: ServerProcess) -> None:
-    """The engine stops decoding at the stop string: the kept tokens, no more decode steps."""
-    prompt, max_tokens = "stop strings", 48
-    client = client_of(server)
-    free = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
-    ).choices[0]
-    full_ids: list[int] = free.token_ids  # type: ignore[attr-defined]
-    assert len(full_ids) == max_tokens
-    stop = free.text[5:7]
-    kept = first_stop_token(full_ids, stop) + 1
-    assert kept < max_tokens // 2
-    cut = client.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stop=[stop],
-        extra_body={"ignore_eos": True},
-    )
-    choice = cut.choices[0]
-    assert choice.finish_reason == "stop"
-    assert choice.text == free.text[: free.text.find(stop)]
-    assert choice.token_ids == full_ids[:kept]  # type: ignore[attr-defined]
-    assert cut.usage is not None and cut.usage.completion_tokens == kept
-    # Over gRPC the same request shows the engine's own count of decode steps (the generation
-    # worker's, disaggregated) and the beam's text with the stop string in it.
-    sampling = common_pb2.SamplingOptions(max_new_tokens=max_tokens, ignore_eos=True, stop_strings=[stop])
-    with BeamsplitClient(server.address) as grpc_client:
-        result = grpc_client.generate(build_request(prompt=prompt, sampling=sampling), timeout_s=120.0)
-    assert list(result.beams[0].token_ids) == full_ids[:kept]
-    assert result.beams[0].finish_reason == "stop" and stop in result.texts[0]
-    assert result.stats["decode_steps"] == kept
-
-
-def test_stop_string_ends_beams(server: ServerProcess) -> None:
-    token_ids = prompt_ids(40, seed=2)
-    client = client_of(server)
-    extra: dict[str, Any] = {"use_beam_search": True, "ignore_eos": True}
-    free = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=10, n=3, extra_body=extra)
-    stop = free.choices[0].text[3:5]
-    result = client.completions.create(
-        model=MODEL, prompt=token_ids, max_tokens=10, n=3, stop=stop, extra_body=extra
-    )
-    sampling = common_pb2.SamplingOptions(
-        beam_width=3, max_new_tokens=10, ignore_eos=True, stop_strings=[stop]
-    )
-    with BeamsplitClient(server.address) as grpc_client:
-        beams = grpc_client.generate(
-            build_request(token_ids=token_ids, sampling=sampling), timeout_s=120.0
-        ).beams
-    assert_choices_equal_beams(result.choices, beams)
-    stopped = [choice for choice in result.choices if choice.finish_reason == "stop"]
-    assert stopped, f"no beam ended on {stop!r}"
-    for choice in stopped:
-        tokens: list[int] = choice.token_ids  # type: ignore[attr-defined]
-        assert first_stop_token(tokens, stop) == len(tokens) - 1  # the beam ends at its completing token
-        assert stop not in choice.text
-    assert result.usage is not None
-    assert result.usage.completion_tokens == sum(len(beam.token_ids) for beam in beams)
 
 
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [

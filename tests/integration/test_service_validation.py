@@ -148,6 +148,16 @@ def bad_handoffs(good: worker_pb2.Handoff) -> list[tuple[str, worker_pb2.Handoff
         ("layout disagrees", changed(layout=layout), "handoff.layout"),
         ("candidate outside vocab", changed(candidate_ids=[TINY_VOCAB]), "handoff.candidate_ids[0]"),
         ("candidates without logprobs", changed(candidate_logprobs=[]), "handoff.candidate_logprobs"),
+        (
+            "model logprobs of other candidates",
+            changed(candidate_model_logprobs=[-0.5, -1.0]),
+            "handoff.candidate_model_logprobs",
+        ),
+        (
+            "model logprob above 0",
+            changed(candidate_model_logprobs=[0.5]),
+            "handoff.candidate_model_logprobs[0]",
+        ),
         ("no transfer id", changed(transfer_id=""), "handoff.transfer_id"),
     ]
 

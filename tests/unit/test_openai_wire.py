@@ -74,7 +74,6 @@ def test_token_ids_and_stop_token_id() -> None:
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": "1"}, "stop_token_ids"),
         ({"echo": True, "stream": True}, "echo"),
-        ({"logprobs": 1, "stream": True}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 1.5}, "logprobs"),
@@ -105,6 +104,24 @@ def test_scoring_fields_map_to_sampling() -> None:
     assert not plain.drops_generated and not plain.echo and len(plain.all_requests) == 1
     unscored = parse(echo=True)
     assert not unscored.request.sampling.HasField("logprobs") and unscored.num_logprobs is None
+
+
+def test_streamed_logprobs_map_like_unstreamed_ones() -> None:
+    """Generated tokens' log-probs stream (each chunk its tokens'); echo and batches do not."""
+    streamed = parse(logprobs=2, stream=True)
+    assert streamed.is_stream and streamed.request.sampling.logprobs == 2 and streamed.num_logprobs == 2
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "stream": True,
+    }
+    chat = parse_chat_request({**body, "top_logprobs": 1}, "tiny", TemplatedTokenizer())
+    assert chat.is_stream and chat.request.sampling.logprobs == 1
+    for fields, param in (({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a", "b"]}, "prompt")):
+        with pytest.raises(OpenAIRequestError) as raised:
+            parse(stream=True, **fields)
+        assert raised.value.param == param
 
 
 def test_chat_logprobs_take_top_logprobs() -> None:

@@ -5,6 +5,7 @@ chunk or many, with a cached prefix in the pool, for greedy, sampling and each b
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.logprobs import LogprobTrie
-from engine.types import TokenLogprob
+from engine.types import RequestOutput, TokenLogprob
 from tests.helpers.checkpoints import write_random_lfm2_checkpoint, write_random_llama_checkpoint
 
 TOLERANCES = {"float64": 1e-9, "float32": 1e-4}
@@ -93,6 +94,15 @@ def test_prompt_logprobs_match_transformers(checkpoint: Path, dtype: str, chunk_
     engine.check_integrity()
 
 
+def test_a_float32_prefill_ships_its_candidates_once(checkpoint: Path) -> None:
+    """float32: the decoder's candidates are the reported values; the handoff needs no copy."""
+    engine = make_engine(checkpoint, "float32")
+    result = engine.prefill("ctx", prompt(20), 4)
+    assert len(result.candidate_logprobs) == 4 and result.candidate_model_logprobs == []
+    engine.release_prefill("ctx")
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_context_side_prefill_scores_equal_the_aggregated_ones(checkpoint: Path, dtype: str) -> None:
     engine = make_engine(checkpoint, dtype, 16)
@@ -116,36 +126,100 @@ def replay_generated(
         check_position(record, reference[len(prompt_ids) + index - 1], record.token_id, tolerance)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(max_new_tokens=5, logprobs=4, ignore_eos=True),
-        SamplingParams(max_new_tokens=5, logprobs=0, temperature=1.3, top_k=20, seed=7, ignore_eos=True),
-        SamplingParams(max_new_tokens=5, logprobs=2, beam_width=3, ignore_eos=True),
-    ],
-    ids=["greedy", "sampling", "beam-3"],
-)
-def test_generated_logprobs_are_the_model_distribution(checkpoint: Path, params: SamplingParams) -> None:
-    engine = make_engine(checkpoint, "float64")
-    prompt_ids = prompt(20)
-    engine.add_request("scored", prompt_ids, params)
-    output = None
-    while output is None:
+GENERATED_CASES = [
+    SamplingParams(max_new_tokens=5, logprobs=4, ignore_eos=True),
+    SamplingParams(max_new_tokens=5, logprobs=0, temperature=1.3, top_k=20, seed=7, ignore_eos=True),
+    SamplingParams(max_new_tokens=5, logprobs=2, beam_width=3, ignore_eos=True),
+]
+
+
+def follow(engine: LLMEngine) -> RequestOutput:
+    """Steps the engine to its one request's end; the final output's beams get, as `logprobs` of
+    a one-sequence request, the records its progress outputs streamed (new_logprobs)."""
+    streamed: list[TokenLogprob] = []
+    while True:
         for step_output in engine.step():
             engine.check_integrity()  # the live request's trie too
-            if step_output.finished:
-                output = step_output
-    engine.check_integrity()
+            if not step_output.finished:
+                assert len(step_output.new_logprobs) in (0, len(step_output.new_token_ids[0]))
+                streamed.extend(step_output.new_logprobs)
+                continue
+            if step_output.beams[0].logprobs is None or len(step_output.beams) > 1:
+                assert not streamed
+                return step_output
+            # What was streamed is the final records' prefix: the last step's come with the end.
+            final = step_output.beams[0].logprobs
+            assert streamed == final[: len(streamed)] and len(final) - len(streamed) <= 1
+            return step_output
+
+
+def run_aggregated(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+    engine.add_request(f"scored-{id(params)}-{engine.counters().prompt_tokens}", prompt_ids, params)
+    return follow(engine)
+
+
+def run_disaggregated(
+    context: LLMEngine, generation: LLMEngine, prompt_ids: list[int], params: SamplingParams
+) -> RequestOutput:
+    """The context engine prefills; its pages are copied into the generation engine's reservation
+    (what a UCX pull does); the handoff's candidates go over as the workers ship them."""
+    request_id = f"pulled-{context.counters().prompt_tokens}"
+    prefilled = context.prefill(request_id, prompt_ids, max(params.num_candidates, params.logprobs or 0))
+    reservation = generation.reserve_prompt(request_id, prompt_ids, params=params)
+    held = prefilled.block_ids[reservation.num_cached_blocks :]  # the pages a pull would take
+    generation.kv_pool.data[reservation.missing_block_ids] = context.kv_pool.data[held]
+    context.release_prefill(request_id)
+    context.check_integrity()
+    # float64: the first token's records travel beside the decoder's float32 candidates.
+    assert len(prefilled.candidate_model_logprobs) == len(prefilled.candidate_ids)
+    assert prefilled.candidate_model_logprobs != prefilled.candidate_logprobs
+    generation.add_prefilled_request(
+        reservation, prompt_ids, params, prefilled.candidate_ids, prefilled.candidate_logprobs,
+        candidate_model_logprobs=prefilled.candidate_model_logprobs,
+    )  # fmt: skip
+    return follow(generation)
+
+
+@pytest.mark.parametrize("deployment", ["aggregated", "disaggregated"])
+@pytest.mark.parametrize("cached_prefix", [False, True], ids=["cold", "cached-prefix"])
+@pytest.mark.parametrize("params", GENERATED_CASES, ids=["greedy", "sampling", "beam-3"])
+def test_generated_logprobs_are_the_model_distribution(
+    checkpoint: Path, params: SamplingParams, deployment: str, cached_prefix: bool
+) -> None:
+    """float64: every returned token's log-prob (and its top k) equals transformers' log_softmax
+    of the same pass to 1e-9, whichever side computed it and whatever the prefix cache held; the
+    tokens and beam scores are those of the same request without logprobs."""
+    engines = [make_engine(checkpoint, "float64")]
+    if deployment == "disaggregated":
+        engines.append(make_engine(checkpoint, "float64"))
+    prompt_ids = prompt(40)
+
+    def run(run_params: SamplingParams) -> RequestOutput:
+        if deployment == "aggregated":
+            return run_aggregated(engines[0], prompt_ids, run_params)
+        return run_disaggregated(engines[0], engines[1], prompt_ids, run_params)
+
+    if cached_prefix:  # the prompt's first 32 tokens (two blocks) are in every pool's tree
+        run(SamplingParams(max_new_tokens=1))
+    output = run(params)
+    assert output.stats["reused_tokens"] == (32 if cached_prefix else 0)
+    plain = run(replace(params, logprobs=None))
+    for engine in engines:
+        engine.check_integrity()
     assert len(output.beams) == params.beam_width
+    # Scoring changes no decision and no score: the decoders still run on their float32 rows.
+    assert [(beam.token_ids, beam.cumulative_logprob, beam.score) for beam in output.beams] == [
+        (beam.token_ids, beam.cumulative_logprob, beam.score) for beam in plain.beams
+    ]
     for beam in output.beams:
         assert beam.logprobs is not None and len(beam.logprobs) == len(beam.token_ids)
         assert [record.token_id for record in beam.logprobs] == beam.token_ids
         assert all(len(record.top) == params.logprobs for record in beam.logprobs)
-        # The decoders sum float32 rows; the records are those rows' values.
+        # The decoders sum float32 rows; the records are the float64 rows' values.
         assert math.isclose(
             sum(record.logprob for record in beam.logprobs), beam.cumulative_logprob, abs_tol=1e-4
         )
-        replay_generated(checkpoint, "float64", prompt_ids, beam.logprobs, 1e-5)
+        replay_generated(checkpoint, "float64", prompt_ids, beam.logprobs, TOLERANCES["float64"])
 
 
 def test_hybrid_prompt_logprobs_match_transformers(tmp_path: Path) -> None:
@@ -172,13 +246,18 @@ def test_trie_walks_a_finished_beam_and_checks_itself() -> None:
     trie = LogprobTrie(num_top=1)
     trie.record_candidates([5, 6], [-0.1, -2.0])
     trie.advance([0, 0], [5, 6], None)  # two running beams
-    trie.record_rows(torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]]), dim=-1), 2)
+    rows = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]]), dim=-1)
+    model_rows = rows.double() - 1e-3  # ranks come from `rows`, values from these
+    trie.record_rows(rows, model_rows, 2)
     trie.advance([1], [0], None)  # beam 1 goes on; beam 0's best (token 1) finished there
     trie.check_integrity()
     finished = trie.walk([5, 1])
     assert [record.token_id for record in finished] == [5, 1]
     assert finished[0].top == ((5, -0.1),) and finished[1].top[0][0] == 1
+    assert finished[1].logprob == float(model_rows[0, 1]) == finished[1].top[0][1]
     assert math.isnan(trie.walk([7])[0].logprob)  # never a candidate
+    assert trie.take_streamed([[5], [6]]) == []  # beams stream no records: they may reorder
+    assert trie.take_streamed([[5]]) == finished[:1] and trie.take_streamed([[1]]) == finished[1:]
     trie.running = [trie.num_nodes]
     with pytest.raises(AssertionError):
         trie.check_integrity()
