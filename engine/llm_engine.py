@@ -29,6 +29,7 @@ import torch
 from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
+from engine.heap import trim_heap
 from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
 from engine.kv_pool import KVPool
 from engine.logprobs import LogprobTrie
@@ -103,6 +104,9 @@ class LLMEngine(ContextSide):
         started = time.monotonic()
         if self.config.batch_invariant:
             warm_up_linear_layers(self.runner.model)
+        # The de-quantized source tensors, the dense weights packing replaced and the checks'
+        # random matrices are freed by now; hand their pages back (engine/heap.py).
+        trim_heap()
         return time.monotonic() - started
 
     # -- aggregated --------------------------------------------------------------------------

@@ -53,7 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
     from beamsplit.cli.config_file import parse_args_with_config
+    from beamsplit.cli.thread_wait import apply_default_wait_policy
+
+    # Before anything imports torch: OpenMP threads sleep at barriers instead of spinning, which
+    # shared cores need (beamsplit/cli/thread_wait.py; OMP_WAIT_POLICY in the environment wins).
+    apply_default_wait_policy(os.environ, "torch" in sys.modules)
 
     parser = build_parser()
     args = parse_args_with_config(parser, sys.argv[1:] if argv is None else list(argv))

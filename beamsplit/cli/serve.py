@@ -47,6 +47,15 @@ ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | 
     )
 )
 
+# The environment default beamsplit.cli.main sets (beamsplit/cli/thread_wait.py), told where a
+# user who owns the cores looks for what to change.
+WAIT_POLICY_NOTE = (
+    "torch's OpenMP threads sleep at barriers (OMP_WAIT_POLICY=PASSIVE, set unless the environment "
+    "sets it): on cores other processes use, spinning threads measured up to 60 times slower; on "
+    "cores this server owns alone, OMP_WAIT_POLICY=ACTIVE saves a wake-up per parallel region "
+    "(docs/service.md)"
+)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -59,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             role,
             help=help_text,
             description=f"beamsplit serve {role}: {help_text}.",
+            epilog=WAIT_POLICY_NOTE,
             formatter_class=DefaultsHelpFormatter,
         )
         role_parser.add_argument(

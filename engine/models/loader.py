@@ -100,7 +100,7 @@ def load_model(
     else:
         assert source.path is not None
         config = ModelConfig.from_file(source.path / "config.json")
-        model = build_model_from_checkpoint(config, source.path)
+        model = build_model_from_checkpoint(config, source.path, torch_dtype)
         tokenizer = load_tokenizer(source.path, config.bos_token_id, config.eos_token_id)
     model = model.to(dtype=torch_dtype, device=device).eval()
     if not source.is_tiny:
@@ -159,9 +159,12 @@ def build_tiny_model(config: ModelConfig) -> Model:
     return model
 
 
-def build_model_from_checkpoint(config: ModelConfig, model_dir: Path) -> Model:
+def build_model_from_checkpoint(
+    config: ModelConfig, model_dir: Path, dtype: torch.dtype | None = None
+) -> Model:
+    """dtype: the floating tensors' dtype once read (None: the checkpoint's own)."""
     origins: dict[str, str] = {}
-    state = _read_checkpoint(model_dir, origins)
+    state = _read_checkpoint(model_dir, origins, dtype)
     return _build_model(config, state, f"checkpoint in {model_dir}", origins)
 
 
@@ -191,7 +194,13 @@ def _build_model(
     return model
 
 
-def _read_checkpoint(model_dir: Path, origins: dict[str, str]) -> dict[str, torch.Tensor]:
+def _read_checkpoint(
+    model_dir: Path, origins: dict[str, str], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's files, each a copy this process owns (in `dtype` where
+    given and floating): safetensors maps the file, and a tensor left on the mapping keeps the
+    whole file resident beside the packed weights that replace it (measured: SmolLM2-135M in
+    float32 held its 513 MiB file next to 550 MiB of packed weights)."""
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
         with open(index_file, encoding="utf-8") as file:
@@ -212,6 +221,10 @@ def _read_checkpoint(model_dir: Path, origins: dict[str, str]) -> dict[str, torc
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older exports saved the rotary table; it is rebuilt from the config
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            else:
+                tensor = tensor.clone()
             state[name.removeprefix("model.")] = tensor
             origins[name.removeprefix("model.")] = str(file_path)
     return state
