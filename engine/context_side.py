@@ -15,13 +15,13 @@ import torch
 
 from engine.config import SamplingParams
 from engine.request import Request
-from engine.request_checks import check_fits_pool, check_prompt
+from engine.request_checks import check_fits_pool, check_one_kv_group, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.types import PrefillResult
 
 if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig
-    from engine.kv_cache import BlockTable, KVCacheManager
+    from engine.kv_groups import GroupedTable, KVGroups
     from engine.model_runner import ModelRunner, SequenceInput
     from engine.models.config import ModelConfig
     from engine.scheduler import Scheduler
@@ -35,12 +35,12 @@ class ContextSide:
         config: EngineConfig
         cache_config: CacheConfig
         model_config: ModelConfig
-        kv_cache: KVCacheManager
+        kv_cache: KVGroups
         state_pool: StatePool | None
         runner: ModelRunner
         scheduler: Scheduler
         _requests: dict[str, Request]
-        _prefilled: dict[str, BlockTable]  # the pinned prompts
+        _prefilled: dict[str, GroupedTable]  # the pinned prompts
 
         def abort(self, request_id: str) -> None: ...
         def _chunk_input(self, request: Request, num_tokens: int) -> SequenceInput: ...
@@ -64,6 +64,7 @@ class ContextSide:
         frees its blocks. prompt_logprobs (k, or None): the result carries every position's
         log-prob and best k (SamplingParams.prompt_logprobs); the prompt then skips the prefix cache.
         """
+        check_one_kv_group(self.kv_cache, "add_prefill")
         check_prompt(self.model_config, prompt_ids, 0)
         if request_id in self._prefilled or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

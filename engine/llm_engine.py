@@ -20,7 +20,6 @@ Not thread-safe: one thread owns the engine. See docs/engine.md for the request 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import replace
 
@@ -29,21 +28,20 @@ import torch
 from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
-from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
-from engine.kv_pool import KVPool
+from engine.kv_cache import CopyOp, OutOfBlocksError
+from engine.kv_groups import GroupedTable, KVGroups
+from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.loader import load_model
 from engine.packed_linear import warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder
-from engine.request_checks import check_fits_pool, check_params, check_prompt
+from engine.request_checks import check_fits_pool, check_one_kv_group, check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
 from engine.stop_strings import StopStringMatcher
 from engine.types import EngineCounters, KVRegion, PromptReservation, RequestOutput, TokenLogprob
-
-logger = logging.getLogger(__name__)
 
 
 class LLMEngine(ContextSide):
@@ -54,20 +52,18 @@ class LLMEngine(ContextSide):
             # Every kernel check and weight packing now, before anyone calls this engine ready:
             # not on the first request (engine/packed_linear.py).
             make_batch_invariant(model)
-        page_bytes = KVPool.page_bytes_for(self.model_config, config.cache.tokens_per_block, model.dtype)
         # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
-        page_bytes += StatePool.state_bytes_for(self.model_config, model.dtype)
-        cache_config = config.cache.fitted_to(page_bytes)
-        if cache_config.num_blocks != config.cache.num_blocks and not config.cache.is_sized_by_memory:
-            logger.info(
-                "KV pool: %d blocks of %.2f MiB fit in max_pool_bytes %d (asked for %d)",
-                cache_config.num_blocks, page_bytes / 2**20, config.cache.max_pool_bytes, config.cache.num_blocks,
-            )  # fmt: skip
+        layout = GroupedKVPool.build(
+            self.model_config, config.cache, model.dtype, config.device,
+            StatePool.state_bytes_for(self.model_config, model.dtype),
+        )  # fmt: skip
+        cache_config, page_bytes = layout.cache_configs[0], layout.group_page_bytes[0]
         self.config = replace(config, cache=cache_config)  # the pool size found at run time
-        self.page_bytes = page_bytes  # one block of every layer (and its state snapshot, hybrids)
+        self.page_bytes = page_bytes  # one block of group 0's layers (and its state snapshot, hybrids)
+        self.group_page_bytes = layout.group_page_bytes  # per KV group (engine/kv_groups.py)
         self.cache_config = cache_config
-        self.kv_pool = KVPool(self.model_config, cache_config, model.dtype, config.device)
-        self.kv_cache = KVCacheManager(cache_config, has_recurrent_state=self.model_config.is_hybrid)
+        self.kv_pool = layout.pool
+        self.kv_cache = KVGroups(layout.cache_configs, layout.groups, self.model_config.is_hybrid)
         self.state_pool: StatePool | None = None
         if self.model_config.is_hybrid:
             # One slot per running beam (max_num_seqs of them) plus as many for prompts being
@@ -79,7 +75,8 @@ class LLMEngine(ContextSide):
                 model.dtype,
                 config.device,
             )
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant)
+        windows = [group.window for group in layout.groups]
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant, windows)
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,
@@ -89,7 +86,7 @@ class LLMEngine(ContextSide):
             queue_limits,
         )
         self._requests: dict[str, Request] = {}
-        self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
+        self._prefilled: dict[str, GroupedTable] = {}  # context side: pinned prompts
         self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
         self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
         self._request_counter = itertools.count()
@@ -138,6 +135,7 @@ class LLMEngine(ContextSide):
                     slot_id,
                     is_decode=True,
                     num_beams=num_beams,
+                    group_block_ids=table.group_block_ids(),
                 )
                 for table, token_id, slot_id in zip(
                     request.tables, request.pending.token_ids, slot_ids, strict=True
@@ -214,12 +212,13 @@ class LLMEngine(ContextSide):
         take, and, for a hybrid model, its W state slots are taken now. Raises PoolTooSmallError
         when the bound exceeds the whole pool (it never fits), OutOfBlocksError when it does not
         fit now (a caller may retry later); either way nothing is held."""
+        check_one_kv_group(self.kv_cache, "reserve_prompt")
         check_prompt(self.model_config, prompt_ids, 0 if params is None else params.max_new_tokens)
         if request_id in self._reservations or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         bound = 0
         if params is not None:
-            bound = self.kv_cache.blocks_needed(
+            (bound,) = self.kv_cache.blocks_needed(
                 len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width
             )
             check_fits_pool(request_id, f"up to {bound} blocks", bound, self.kv_cache.allocator.num_blocks)
@@ -237,8 +236,8 @@ class LLMEngine(ContextSide):
         table = allocation.table
         if params is not None:
             # Reservations still pulling grow once they join the batch: their bounds count too.
-            reserved = sum(request.remaining_blocks() for request in self.scheduler.running) + sum(
-                held.remaining_blocks() for held in self._reservations.values()
+            reserved = self.scheduler.reserved_blocks()[0] + sum(
+                held.remaining_blocks()[0] for held in self._reservations.values()
             )
             if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
                 self.kv_cache.free(table)
@@ -257,7 +256,7 @@ class LLMEngine(ContextSide):
                 self.kv_cache.stats = stats_before
                 raise
         self._reservations[request_id] = Reservation(
-            table, list(prompt_ids), salt, new_blocks, slot_ids, bound
+            table, list(prompt_ids), salt, new_blocks, slot_ids, (bound,) if params is not None else ()
         )
         return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
 
@@ -342,9 +341,9 @@ class LLMEngine(ContextSide):
     def counters(self) -> EngineCounters:
         stats = self.kv_cache.stats
         return EngineCounters(
-            num_blocks_total=self.cache_config.num_blocks,
+            num_blocks_total=sum(self.kv_cache.num_blocks()),
             num_blocks_in_use=self.kv_cache.num_blocks_in_use(),
-            num_blocks_cached=self.kv_cache.allocator.num_cached_blocks(),
+            num_blocks_cached=sum(self.kv_cache.num_group_blocks_cached()),
             num_waiting_requests=len(self.scheduler.waiting),
             num_running_requests=len(self.scheduler.running),
             prompt_tokens=stats.prompt_tokens,
@@ -384,8 +383,9 @@ class LLMEngine(ContextSide):
         targets, num_top = request.score_targets(start, end), request.params.prompt_logprobs or 0
         if self.state_pool is None:
             return SequenceInput(
-                table.block_ids, start, new_ids, score_target_ids=targets, score_num_top=num_top
-            )
+                table.block_ids, start, new_ids, score_target_ids=targets, score_num_top=num_top,
+                group_block_ids=table.group_block_ids(),
+            )  # fmt: skip
         snapshots = [
             (position, block_id)
             for position, block_id in self._prompt_snapshots(request)
@@ -410,19 +410,23 @@ class LLMEngine(ContextSide):
         KV does not depend on the chunk it was computed in (batch invariance). So a prompt sharing
         the prefix, admitted while this one is still in its chunks, reuses them instead of
         computing the prefix again. Commit is idempotent: the final commit publishes them again as
-        no-ops."""
+        no-ops. Then a sliding group releases the (published) blocks that the next queries, from
+        num_computed_tokens on, cannot see (a pinned context-side prompt keeps them)."""
         prompt_ids = request.prompt_ids
         if num_tokens is not None:
             num_tokens -= num_tokens % self.cache_config.tokens_per_block
-            if num_tokens <= request.num_cached_tokens:
-                return  # nothing written past what the prompt reused
             prompt_ids = prompt_ids[:num_tokens]
-        snapshot_lens: list[int] = []
-        if self.state_pool is not None:
-            snapshot_lens = [
-                length for length, _ in self._prompt_snapshots(request) if length <= len(prompt_ids)
-            ]
-        self._copy_snapshots(self.kv_cache.commit(request.tables[0], prompt_ids, request.salt, snapshot_lens))
+        if len(prompt_ids) > request.num_cached_tokens or num_tokens is None:
+            snapshot_lens: list[int] = []
+            if self.state_pool is not None:
+                snapshot_lens = [
+                    length for length, _ in self._prompt_snapshots(request) if length <= len(prompt_ids)
+                ]
+            self._copy_snapshots(
+                self.kv_cache.commit(request.tables[0], prompt_ids, request.salt, snapshot_lens)
+            )
+        if not request.is_prefill_only:
+            self.kv_cache.release_out_of_window(request.tables[0], request.num_computed_tokens)
 
     def _copy_snapshots(self, copies: list[CopyOp]) -> None:
         for copy in copies:

@@ -73,7 +73,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     return group
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, sliding_window_kv: bool = True) -> EngineConfig:
+    """sliding_window_kv False: the one-group KV layout, every block kept (the disaggregated
+    workers, whose transfer ships one page of every layer per block)."""
     from engine import CacheConfig, EngineConfig
 
     # Servers add --max-num-seqs, --max-num-batched-tokens and an engine --seed; the offline
@@ -100,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             is_sized_by_memory=max_pool_bytes is not None,
             enable_partial_reuse=args.enable_partial_reuse,
             enable_partial_commit=args.enable_partial_commit,
+            sliding_window_kv=sliding_window_kv,
         ),
         **extra,
     )
