@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SamplingParams
+from engine.kv_groups import group_page_ids
 from engine.request import Request
-from engine.request_checks import check_fits_pool, check_one_kv_group, check_prompt
+from engine.request_checks import check_fits_pool, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.types import PrefillResult
 
@@ -64,7 +65,6 @@ class ContextSide:
         frees its blocks. prompt_logprobs (k, or None): the result carries every position's
         log-prob and best k (SamplingParams.prompt_logprobs); the prompt then skips the prefix cache.
         """
-        check_one_kv_group(self.kv_cache, "add_prefill")
         check_prompt(self.model_config, prompt_ids, 0)
         if request_id in self._prefilled or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -128,4 +128,5 @@ class ContextSide:
             recurrent_state=state,
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
             prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,
+            group_page_ids=group_page_ids(table),
         )  # fmt: skip

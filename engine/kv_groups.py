@@ -113,6 +113,35 @@ def num_group_blocks_held(tables: Iterable[GroupedTable], num_groups: int) -> Bl
     return tuple(len(ids - {HOLE}) for ids in held)
 
 
+def counts_text(counts: Sequence[int]) -> str:
+    """Per-group counts for a message: a bare number for one group (as before groups existed)."""
+    return str(counts[0]) if len(counts) == 1 else str(list(counts))
+
+
+def group_page_ids(table: GroupedTable) -> tuple[tuple[int, ...], ...]:
+    """Every group's block ids (HOLE where a sliding group holds nothing); () for one group."""
+    if len(table.tables) == 1:
+        return ()
+    return tuple(tuple(ids) for ids in table.group_block_ids())
+
+
+def pages_to_pull(
+    src_page_ids: Sequence[Sequence[int]], dst_page_ids: Sequence[Sequence[int]], num_cached_blocks: int
+) -> list[tuple[list[int], list[int]]]:
+    """Per group, (source pages, destination pages) a pull moves: blocks from num_cached_blocks on
+    that both sides hold. Both sides release by the same rule at the prompt's end, so their holes
+    are the same blocks; a mismatch is a protocol error."""
+    pairs = []
+    for group, (src_ids, dst_ids) in enumerate(zip(src_page_ids, dst_page_ids, strict=True)):
+        if len(src_ids) != len(dst_ids) or any(
+            (s == HOLE) != (d == HOLE) for s, d in zip(src_ids, dst_ids, strict=False)
+        ):
+            raise ValueError(f"KV group {group}: the two sides hold different blocks: {src_ids} vs {dst_ids}")
+        indices = [index for index in range(num_cached_blocks, len(src_ids)) if src_ids[index] != HOLE]
+        pairs.append(([src_ids[index] for index in indices], [dst_ids[index] for index in indices]))
+    return pairs
+
+
 class KVGroups:
     def __init__(
         self, configs: Sequence[CacheConfig], groups: Sequence[KVGroup], has_recurrent_state: bool = False

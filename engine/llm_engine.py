@@ -28,7 +28,8 @@ import torch
 from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
-from engine.kv_cache import CopyOp, OutOfBlocksError
+from engine.generation_side import GenerationSide
+from engine.kv_cache import CopyOp
 from engine.kv_groups import GroupedTable, KVGroups
 from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
@@ -36,15 +37,15 @@ from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.loader import load_model
 from engine.packed_linear import warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder
-from engine.request_checks import check_fits_pool, check_one_kv_group, check_params, check_prompt
+from engine.request_checks import check_one_kv_group, check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
 from engine.stop_strings import StopStringMatcher
-from engine.types import EngineCounters, KVRegion, PromptReservation, RequestOutput, TokenLogprob
+from engine.types import EngineCounters, KVRegion, RequestOutput, TokenLogprob
 
 
-class LLMEngine(ContextSide):
+class LLMEngine(ContextSide, GenerationSide):
     def __init__(self, config: EngineConfig, queue_limits: QueueLimits | None = None) -> None:
         """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
@@ -203,137 +204,14 @@ class LLMEngine(ContextSide):
                 if output.request_id == request_id and output.finished:
                     return output
 
-    # -- generation side ---------------------------------------------------------------------
-    def reserve_prompt(
-        self, request_id: str, prompt_ids: list[int], salt: bytes = b"", params: SamplingParams | None = None
-    ) -> PromptReservation:
-        """Blocks for a prompt whose KV will be pulled. With `params`, the request's whole block
-        bound must fit next to what the running requests and the other reservations may still
-        take, and, for a hybrid model, its W state slots are taken now. Raises PoolTooSmallError
-        when the bound exceeds the whole pool (it never fits), OutOfBlocksError when it does not
-        fit now (a caller may retry later); either way nothing is held."""
-        check_one_kv_group(self.kv_cache, "reserve_prompt")
-        check_prompt(self.model_config, prompt_ids, 0 if params is None else params.max_new_tokens)
-        if request_id in self._reservations or request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        bound = 0
-        if params is not None:
-            (bound,) = self.kv_cache.blocks_needed(
-                len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width
-            )
-            check_fits_pool(request_id, f"up to {bound} blocks", bound, self.kv_cache.allocator.num_blocks)
-        # A refusal restores the counters too: a queued request retries, and must not count its
-        # lookups each time.
-        stats_before = replace(self.kv_cache.stats)
-        # Pulled pages overwrite whole blocks: copying a partly matched block would be wasted.
-        new_blocks_before = self.kv_cache.stats.new_blocks
-        # The prompt's final recurrent state comes with the pages: only the pages limit reuse here.
-        allocation = self.kv_cache.allocate_prompt(
-            prompt_ids, salt, allow_partial_reuse=False, prune_to_snapshots=False
-        )
-        self.kv_pool.copy_blocks(allocation.copies)
-        new_blocks = self.kv_cache.stats.new_blocks - new_blocks_before
-        table = allocation.table
-        if params is not None:
-            # Reservations still pulling grow once they join the batch: their bounds count too.
-            reserved = self.scheduler.reserved_blocks()[0] + sum(
-                held.remaining_blocks()[0] for held in self._reservations.values()
-            )
-            if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
-                self.kv_cache.free(table)
-                self.kv_cache.stats = stats_before
-                raise OutOfBlocksError(
-                    f"request {request_id!r} needs up to {bound} blocks; the pool is full "
-                    f"({self.kv_cache.num_free_blocks()} of {self.kv_cache.allocator.num_blocks} free, {reserved} promised "
-                    "to running and reserved requests)"
-                )
-        slot_ids: list[int] = []
-        if params is not None and self.state_pool is not None:
-            try:
-                slot_ids = self.state_pool.allocate_slots(params.beam_width)
-            except OutOfBlocksError:
-                self.kv_cache.free(table)
-                self.kv_cache.stats = stats_before
-                raise
-        self._reservations[request_id] = Reservation(
-            table, list(prompt_ids), salt, new_blocks, slot_ids, (bound,) if params is not None else ()
-        )
-        return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
-
-    def cancel_reservation(self, request_id: str) -> None:
-        reservation = self._reservations.pop(request_id, None)
-        if reservation is not None:
-            self.kv_cache.free(reservation.table)
-            self._free_slots(reservation.state_slot_ids)
-
-    def add_prefilled_request(
-        self,
-        reservation: PromptReservation,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        candidate_ids: list[int],
-        candidate_logprobs: list[float],
-        recurrent_state: bytes = b"",
-    ) -> None:
-        """The reservation's blocks now hold the prompt's KV: expand to the beams and join the batch.
-
-        A hybrid model also needs `recurrent_state`, the state after the whole prompt
-        (PrefillResult.recurrent_state); it is installed in beam 0's slot before the beams expand.
-        """
-        request_id = reservation.request_id
-        held = self._reservations.get(request_id)
-        if held is None:
-            raise KeyError(f"no reservation for request_id {request_id!r}")
-        if list(prompt_ids) != held.prompt_ids:
-            raise ValueError("prompt_ids differ from the reserved prompt")
-        self._check_new_request(request_id, prompt_ids, params)
-        request = self._make_request(request_id, prompt_ids, params, held.salt)
-        # The decoder checks the candidates before anything else changes: a refusal leaves the
-        # reservation as it was.
-        first_step = request.active_decoder.start(list(candidate_ids), list(candidate_logprobs))
-        if request.logprob_trie is not None:
-            request.logprob_trie.record_candidates(list(candidate_ids), list(candidate_logprobs))
-            request.logprob_trie.advance(first_step.parent_indices, first_step.token_ids, None)
-        if self.state_pool is not None:
-            if len(recurrent_state) != self.state_pool.state_bytes:
-                raise ValueError(
-                    f"recurrent_state must hold {self.state_pool.state_bytes} bytes, got {len(recurrent_state)}"
-                )
-            if len(held.state_slot_ids) != request.num_beams:
-                # Reserved without params (or for another width); a refusal leaves it unchanged.
-                fresh_slot_ids = self.state_pool.allocate_slots(request.num_beams)
-                self._free_slots(held.state_slot_ids)
-                held.state_slot_ids = fresh_slot_ids
-            request.state_slot_ids = held.state_slot_ids
-            self.state_pool.write(request.state_slot_ids[0], recurrent_state)
-        del self._reservations[request_id]
-        request.tables = [held.table]
-        request.reused_tokens = reservation.num_cached_blocks * self.cache_config.tokens_per_block
-        request.num_tokens_before_hybrid_pruning = request.reused_tokens
-        request.new_blocks = held.new_blocks
-        request.times.admitted = time.monotonic()
-        snapshot_lens: list[int] = []
-        if self.state_pool is not None:
-            # The shipped state is the snapshot of the prompt's last block when the prompt ends it.
-            prompt_len = len(request.prompt_ids)
-            for num_tokens, block_id in self.kv_cache.prompt_snapshots(
-                held.table, prompt_len - 1, prompt_len
-            ):
-                self.state_pool.save_snapshot(request.state_slot_ids[0], block_id)
-                snapshot_lens.append(num_tokens)
-        self._copy_snapshots(self.kv_cache.commit(held.table, request.prompt_ids, held.salt, snapshot_lens))
-        self._requests[request_id] = request
-        self.scheduler.add_running(request)
-        request.record_step(first_step)
-        # The first token leaves before the next forward pass, not with its result: a pulled
-        # request's TTFT is the prefill plus the pull, as an aggregated one's is its prefill.
-        self._ready_outputs.append(
-            self._finish(request) if request.active_decoder.is_done else self._progress(request)
-        )
-
     # -- pool --------------------------------------------------------------------------------
     def kv_region(self) -> KVRegion:
+        check_one_kv_group(self.kv_cache, "kv_region")
         return self.kv_pool.region()
+
+    def kv_regions(self) -> list[KVRegion]:
+        """One region per KV group's pool, in group order (page bytes differ between groups)."""
+        return [pool.region() for pool in self.kv_pool.pools]
 
     def num_blocks_in_use(self) -> int:
         return self.kv_cache.num_blocks_in_use()
@@ -411,7 +289,7 @@ class LLMEngine(ContextSide):
         the prefix, admitted while this one is still in its chunks, reuses them instead of
         computing the prefix again. Commit is idempotent: the final commit publishes them again as
         no-ops. Then a sliding group releases the (published) blocks that the next queries, from
-        num_computed_tokens on, cannot see (a pinned context-side prompt keeps them)."""
+        num_computed_tokens on, cannot see (a pinned context-side prompt ships only its window)."""
         prompt_ids = request.prompt_ids
         if num_tokens is not None:
             num_tokens -= num_tokens % self.cache_config.tokens_per_block
@@ -425,8 +303,7 @@ class LLMEngine(ContextSide):
             self._copy_snapshots(
                 self.kv_cache.commit(request.tables[0], prompt_ids, request.salt, snapshot_lens)
             )
-        if not request.is_prefill_only:
-            self.kv_cache.release_out_of_window(request.tables[0], request.num_computed_tokens)
+        self.kv_cache.release_out_of_window(request.tables[0], request.num_computed_tokens)
 
     def _copy_snapshots(self, copies: list[CopyOp]) -> None:
         for copy in copies:

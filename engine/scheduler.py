@@ -331,9 +331,8 @@ class Scheduler:
         stats = self.kv_cache.stats
         request.tables = [allocation.table]
         self.copy_blocks(allocation.copies)
-        if not request.is_prefill_only:
-            # The first chunk's queries start after the reused prefix: what they cannot see goes.
-            self.kv_cache.release_out_of_window(allocation.table, allocation.num_cached_tokens)
+        # The first chunk's queries start after the reused prefix: what they cannot see goes.
+        self.kv_cache.release_out_of_window(allocation.table, allocation.num_cached_tokens)
         if self.state_pool is not None:
             # Loaded now, before any later allocation may evict the snapshot's block.
             request.state_slot_ids = self.state_pool.allocate_slots(request.num_beams)

@@ -55,6 +55,9 @@ class PrefillResult:
     num_tokens_before_hybrid_pruning: int = 0  # what the pages alone supported (>= reused_tokens)
     # Asked with prompt_logprobs: positions 1 .. P-1 (position 0 has no log-prob).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Window-aware KV groups (engine/kv_groups.py): per group the pinned pages, HOLE (-1) where a
+    # sliding group released the block (out of the window at the prompt's end); () for one group.
+    group_page_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class PromptReservation:
     request_id: str
     block_ids: list[int]  # ceil(P / T) blocks for the prompt, owned by the request
     num_cached_blocks: int  # block_ids[num_cached_blocks:] must be filled by a pull
+    # Per KV group its pages, HOLE (-1) where nothing is pulled (engine/kv_groups.pages_to_pull);
+    # () for one group.
+    group_page_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def missing_block_ids(self) -> list[int]:

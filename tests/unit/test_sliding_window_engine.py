@@ -4,7 +4,8 @@
 - blocks held per KV group after prefill and at every decode step, pinned for known sizes;
 - the beams equal the all-full layout's exactly and transformers' (prompts up to 3x the window
   and past it, chunked prefill, prefix reuse), check_integrity after every step;
-- the disaggregated entry points refuse the window-aware layout by name.
+- disaggregated in process: only the window's pages move, per group, and the beams equal the
+  aggregated ones.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.kv_cache import HOLE
+from engine.kv_groups import pages_to_pull
+from engine.types import PrefillResult, PromptReservation
 from tests.helpers.family_checkpoints import SLIDING_WINDOW, load_reference, write_family_checkpoint
 from tests.helpers.hf_reference import assert_engine_beams_equal, reference_case
 
@@ -132,14 +135,74 @@ def test_beams_match_transformers_with_chunks_and_prefix_reuse(
     assert reused[3] == 32, reused
 
 
-def test_disaggregated_entry_points_need_the_one_group_layout(checkpoints: dict[str, Path]) -> None:
-    engine = make_engine(checkpoints["gemma3"])
-    with pytest.raises(ValueError, match="sliding_window_kv=False"):
-        engine.add_prefill("p", [3, 4, 5], 4)
-    with pytest.raises(ValueError, match="sliding_window_kv=False"):
-        engine.reserve_prompt("g", [3, 4, 5])
-    one_group = make_engine(checkpoints["gemma3"], False)
-    result = one_group.prefill("p", list(range(3, 43)), 4)
-    assert result.block_ids == [0, 1, 2]  # every block kept: what the workers ship today
-    one_group.release_prefill("p")
-    assert one_group.num_blocks_in_use() == 0
+def pull_pages(
+    context: LLMEngine, generation: LLMEngine, prefill: PrefillResult, reservation: PromptReservation
+) -> int:
+    """The "pull", in process: per KV group the pages pages_to_pull names; returns the bytes moved."""
+    moved = 0
+    pairs = pages_to_pull(prefill.group_page_ids, reservation.group_page_ids, reservation.num_cached_blocks)
+    for group, (src_ids, dst_ids) in enumerate(pairs):
+        generation.kv_pool.pools[group].data[dst_ids] = context.kv_pool.pools[group].data[src_ids]
+        moved += len(src_ids) * context.kv_pool.pools[group].page_bytes
+    return moved
+
+
+@pytest.mark.parametrize("beam_width", [1, 4])
+def test_disaggregated_ships_only_the_window_and_equals_aggregated(
+    checkpoints: dict[str, Path], beam_width: int
+) -> None:
+    """Gemma 3 tiny, a 40-token prompt (5x the window): the context side pins, per group, only the
+    pages inside the window at the prompt's end; the generation side reserves the same positions
+    (holes elsewhere), pulls them and decodes the aggregated beams exactly. The bytes moved do not
+    depend on W: 3 pages of the full layer and 1 page of the 2 sliding layers, 5/9 of the 3 pages
+    of 3 layers the all-full layout ships."""
+    directory = checkpoints["gemma3"]
+    prompt = list(range(5, 45))
+    params = SamplingParams(beam_width=beam_width, max_new_tokens=12, ignore_eos=True)
+    aggregated = make_engine(directory).generate(prompt, params)
+    context, generation = make_engine(directory), make_engine(directory)
+    prefill = context.prefill("r", prompt, params.num_candidates)
+    assert prefill.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 2))
+    assert context.kv_cache.num_group_blocks_in_use() == (3, 1)
+    context.check_integrity()
+    reservation = generation.reserve_prompt("r", prompt, params=params)
+    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 2)) and reservation.num_cached_blocks == 0
+    generation.check_integrity()
+    moved = pull_pages(context, generation, prefill, reservation)
+    full_page, sliding_page = (pool.page_bytes for pool in context.kv_pool.pools)
+    assert moved == 3 * full_page + 1 * sliding_page
+    all_full = 3 * (full_page + sliding_page)  # 3 pages of every layer: what the one-group layout ships
+    assert moved / all_full == pytest.approx((3 * 1 + 1 * 2) / (3 * 3))
+    context.release_prefill("r")
+    assert context.num_blocks_in_use() == 0
+    generation.add_prefilled_request(
+        reservation, prompt, params, prefill.candidate_ids, prefill.candidate_logprobs
+    )
+    outputs = {}
+    while generation.has_unfinished():
+        outputs |= {output.request_id: output for output in generation.step() if output.finished}
+        generation.check_integrity()
+    beams = [(beam.token_ids, beam.score) for beam in outputs["r"].beams]
+    assert beams == [(beam.token_ids, beam.score) for beam in aggregated.beams]
+    assert generation.num_blocks_in_use() == 0
+
+
+def test_a_reused_prefix_is_not_pulled_again(checkpoints: dict[str, Path]) -> None:
+    """A generation engine that already holds the first 32 tokens (its own earlier request) pulls
+    only the blocks after them, in each group the ones its window still needs."""
+    directory = checkpoints["gemma3"]
+    generation = make_engine(directory)
+    first = list(range(5, 41))
+    generation.generate(first, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    prompt = first[:32] + list(range(60, 80))  # 52 tokens: blocks 0..3, first query at 52
+    reservation = generation.reserve_prompt("r", prompt, params=SamplingParams(max_new_tokens=4))
+    assert reservation.num_cached_blocks == 2
+    assert [len(ids) for ids in reservation.group_page_ids] == [4, 4]
+    # The query at 52 sees keys 45..52: the sliding group holds blocks 2 and 3 only.
+    assert reservation.group_page_ids[1][:2] == (HOLE, HOLE) and HOLE not in reservation.group_page_ids[1][2:]
+    src = ((0, 1, 2, 3), (HOLE, HOLE, 2, 3))
+    pairs = pages_to_pull(src, reservation.group_page_ids, reservation.num_cached_blocks)
+    assert [len(src_ids) for src_ids, _ in pairs] == [2, 2]
+    generation.cancel_reservation("r")
+    generation.check_integrity()
+    assert generation.num_blocks_in_use() == 0
