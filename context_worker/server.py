@@ -40,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics("context")
     hooks = FaultHooks.from_environment()
     handle = start_engine(
-        # Pages of every layer per block: per-group pages are not on the wire yet (issue 27).
-        engine_config_from_args(args, sliding_window_kv=False),
+        engine_config_from_args(args),
         metrics,
         step_delay_s=hooks.step_delay_s,
         shares_cores=args.shares_cores,

@@ -23,6 +23,7 @@ from engine.types import PrefillResult
 if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig
     from engine.kv_groups import GroupedTable, KVGroups
+    from engine.kv_pool import GroupedKVPool
     from engine.model_runner import ModelRunner, SequenceInput
     from engine.models.config import ModelConfig
     from engine.scheduler import Scheduler
@@ -37,6 +38,7 @@ class ContextSide:
         cache_config: CacheConfig
         model_config: ModelConfig
         kv_cache: KVGroups
+        kv_pool: GroupedKVPool
         state_pool: StatePool | None
         runner: ModelRunner
         scheduler: Scheduler
@@ -129,4 +131,5 @@ class ContextSide:
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
             prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,
             group_page_ids=group_page_ids(table),
+            region_page_ids=self.kv_pool.region_pages.units(table.group_block_ids()),
         )  # fmt: skip

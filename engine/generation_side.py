@@ -116,9 +116,14 @@ class GenerationSide:
         self._reservations[request_id] = Reservation(
             table, list(prompt_ids), salt, new_blocks, slot_ids, bound if params is not None else ()
         )
-        return PromptReservation(
-            request_id, list(table.block_ids), allocation.num_cached_blocks, group_page_ids(table)
+        region_pages = self.kv_pool.region_pages
+        positions, destinations = region_pages.pull_plan(
+            table.group_block_ids(), allocation.num_cached_blocks
         )
+        return PromptReservation(
+            request_id, list(table.block_ids), allocation.num_cached_blocks, group_page_ids(table),
+            positions, destinations, region_pages.num_prompt_units(len(prompt_ids)),
+        )  # fmt: skip
 
     def cancel_reservation(self, request_id: str) -> None:
         reservation = self._reservations.pop(request_id, None)

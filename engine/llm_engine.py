@@ -37,7 +37,7 @@ from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.loader import load_model
 from engine.packed_linear import warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder
-from engine.request_checks import check_one_kv_group, check_params, check_prompt
+from engine.request_checks import check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
@@ -206,12 +206,8 @@ class LLMEngine(ContextSide, GenerationSide):
 
     # -- pool --------------------------------------------------------------------------------
     def kv_region(self) -> KVRegion:
-        check_one_kv_group(self.kv_cache, "kv_region")
+        """The transfer region: every KV group's pool, in pages of kv_pool.unit_bytes."""
         return self.kv_pool.region()
-
-    def kv_regions(self) -> list[KVRegion]:
-        """One region per KV group's pool, in group order (page bytes differ between groups)."""
-        return [pool.region() for pool in self.kv_pool.pools]
 
     def num_blocks_in_use(self) -> int:
         return self.kv_cache.num_blocks_in_use()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from engine.block_allocator import PoolTooSmallError
 from engine.config import EngineConfig, SamplingParams, check_engine_params
-from engine.kv_groups import KVGroups
 from engine.models.config import ModelConfig
 
 
@@ -35,14 +34,4 @@ def check_fits_pool(request_id: str, needed: str, num_blocks: int, pool_blocks: 
     if num_blocks > pool_blocks:
         raise PoolTooSmallError(
             f"request {request_id!r} needs {needed}, more than the pool's {pool_blocks} in all"
-        )
-
-
-def check_one_kv_group(kv_cache: KVGroups, what: str) -> None:
-    """The disaggregated paths ship one page of every layer per block: a window-aware cache's
-    per-group pages and holes are not on the wire yet (issue 27, step 2)."""
-    if kv_cache.num_groups > 1 or kv_cache.groups[0].window is not None:
-        raise ValueError(
-            f"{what} needs the one-group KV layout: this model has sliding windows, so build the "
-            "engine with CacheConfig(sliding_window_kv=False)"
         )

@@ -58,6 +58,9 @@ class PrefillResult:
     # Window-aware KV groups (engine/kv_groups.py): per group the pinned pages, HOLE (-1) where a
     # sliding group released the block (out of the window at the prompt's end); () for one group.
     group_page_ids: tuple[tuple[int, ...], ...] = ()
+    # The pages to offer, as pages of the engine's transfer region (engine/region_pages.py): the
+    # held blocks of every group in canonical order; block_ids for a one-group pool.
+    region_page_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,11 @@ class PromptReservation:
     # Per KV group its pages, HOLE (-1) where nothing is pulled (engine/kv_groups.pages_to_pull);
     # () for one group.
     group_page_ids: tuple[tuple[int, ...], ...] = ()
+    # The pull, in region pages (engine/region_pages.py): positions in the holder's
+    # region_page_ids to read, and this engine's region pages to write, one for one.
+    source_positions: list[int] = field(default_factory=list)
+    region_page_ids: list[int] = field(default_factory=list)
+    num_source_pages: int = 0  # how many region pages the holder offers for this prompt
 
     @property
     def missing_block_ids(self) -> list[int]:

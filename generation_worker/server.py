@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics("generation")
     hooks = FaultHooks.from_environment()
     handle = start_engine(
-        # Pages of every layer per block: per-group pages are not on the wire yet (issue 27).
-        engine_config_from_args(args, sliding_window_kv=False),
+        engine_config_from_args(args),
         metrics,
         step_delay_s=hooks.step_delay_s,
         shares_cores=args.shares_cores,
@@ -54,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         region_name=KV_REGION_NAME,
         tokens_per_block=info.tokens_per_block,
         page_bytes=info.page_bytes,
+        region_pages=handle.engine.kv_pool.region_pages,
         dtype=info.dtype,
         model=info.model,
     )

@@ -138,13 +138,25 @@ def test_beams_match_transformers_with_chunks_and_prefix_reuse(
 def pull_pages(
     context: LLMEngine, generation: LLMEngine, prefill: PrefillResult, reservation: PromptReservation
 ) -> int:
-    """The "pull", in process: per KV group the pages pages_to_pull names; returns the bytes moved."""
-    moved = 0
+    """The "pull", in process, as the workers run it: the holder offers prefill.region_page_ids of
+    its transfer region, the puller reads the positions its reservation names into its own region
+    pages (engine/region_pages.py). Returns the bytes moved."""
+    src_region, dst_region = context.kv_region(), generation.kv_region()
+    assert src_region.page_bytes == dst_region.page_bytes
+    assert len(prefill.region_page_ids) == reservation.num_source_pages
+    src_ids = [prefill.region_page_ids[position] for position in reservation.source_positions]
+    assert context.kv_pool.buffer is not None and generation.kv_pool.buffer is not None
+    unit = src_region.page_bytes
+    src_pages = context.kv_pool.buffer.view(torch.uint8).view(-1, unit)  # [units, unit bytes]
+    dst_pages = generation.kv_pool.buffer.view(torch.uint8).view(-1, unit)
+    dst_pages[reservation.region_page_ids] = src_pages[src_ids]
+    # The same pages as the per-group view names them.
     pairs = pages_to_pull(prefill.group_page_ids, reservation.group_page_ids, reservation.num_cached_blocks)
-    for group, (src_ids, dst_ids) in enumerate(pairs):
-        generation.kv_pool.pools[group].data[dst_ids] = context.kv_pool.pools[group].data[src_ids]
-        moved += len(src_ids) * context.kv_pool.pools[group].page_bytes
-    return moved
+    assert (
+        sum(len(src) * pool.page_bytes for (src, _), pool in zip(pairs, context.kv_pool.pools, strict=True))
+        == len(src_ids) * unit
+    )
+    return len(src_ids) * unit
 
 
 @pytest.mark.parametrize("beam_width", [1, 4])
