@@ -132,6 +132,22 @@ class ServerMetrics:
             ["side"],
             registry=registry,
         )
+        self.prefix_window_pruned_tokens = Counter(
+            "beamsplit_prefix_window_pruned_tokens",
+            "prompt tokens the full-attention layers' pages held but a sliding-window layer's pages "
+            "did not (reuse cut to what every KV group can continue from), by side",
+            ["side"],
+            registry=registry,
+        )
+        self.kv_group_blocks_total = Gauge(
+            "beamsplit_kv_group_blocks_total",
+            "KV pool blocks per KV group (full, or window<W>: one pool per attention kind)",
+            ["group"],
+            registry=registry,
+        )
+        self.kv_group_blocks_in_use = Gauge(
+            "beamsplit_kv_group_blocks_in_use", "KV blocks in use per KV group", ["group"], registry=registry
+        )
         self.prefix_hybrid_pruned_tokens = Counter(
             "beamsplit_prefix_hybrid_pruned_tokens",
             "prompt tokens the prefix tree's pages held but no recurrent-state snapshot reached "
@@ -176,6 +192,7 @@ class ServerMetrics:
         self.prefix_prompt_tokens.labels(side=role)
         self.prefix_reused_tokens.labels(side=role)
         self.prefix_hybrid_pruned_tokens.labels(side=role)
+        self.prefix_window_pruned_tokens.labels(side=role)
         for reason in COPY_REASONS:
             self.block_copies.labels(reason=reason)
         for reason in TRANSFER_FAILURE_REASONS:
@@ -210,6 +227,15 @@ class ServerMetrics:
         self.prefix_prompt_tokens.labels(side=self.role).inc(grown("prompt_tokens"))
         self.prefix_reused_tokens.labels(side=self.role).inc(grown("reused_tokens"))
         self.prefix_hybrid_pruned_tokens.labels(side=self.role).inc(grown("hybrid_pruned_tokens"))
+        if hasattr(counters, "window_pruned_tokens"):
+            self.prefix_window_pruned_tokens.labels(side=self.role).inc(grown("window_pruned_tokens"))
+        groups = (
+            getattr(counters, name, ())
+            for name in ("group_names", "group_blocks_total", "group_blocks_in_use")
+        )
+        for name, total, in_use in zip(*groups, strict=True):
+            self.kv_group_blocks_total.labels(group=name).set(total)
+            self.kv_group_blocks_in_use.labels(group=name).set(in_use)
         self.block_copies.labels(reason="beam_tail").inc(grown("beam_tail_copies"))
         self.block_copies.labels(reason="partial_reuse").inc(grown("partial_reuse_copies"))
         with self._lock:

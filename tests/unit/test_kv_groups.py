@@ -141,3 +141,16 @@ def test_memory_budget_splits_by_a_full_length_request() -> None:
     assert [config.num_blocks for config in by_count] == [64, 64]
     (one,) = group_cache_configs(cache, groups[:1], [1000], 512)
     assert one.num_blocks == 1000
+
+
+def test_one_full_group_reports_the_same_figure_twice() -> None:
+    cache = KVGroups([CacheConfig(T, 8)], (KVGroup(None, (0, 1)),))
+    prompt = tokens(0, 40)
+    first = cache.allocate_prompt(prompt)
+    cache.commit(first.table, prompt)
+    second = cache.allocate_prompt(prompt[:33] + [99])
+    assert second.num_cached_tokens == 32
+    assert second.full_attention_reusable_tokens == second.window_reusable_tokens == 32
+    cache.free(first.table)
+    cache.free(second.table)
+    cache.check_integrity([])
