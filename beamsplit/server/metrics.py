@@ -45,6 +45,8 @@ class MetricsSnapshot:
     transfers_in_flight: int = 0
     lease_expiries: int = 0
     requests: dict[str, int] = field(default_factory=dict)
+    # Per KV group: (name, blocks in use, blocks total)
+    kv_groups: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class ServerMetrics:
@@ -233,9 +235,11 @@ class ServerMetrics:
             getattr(counters, name, ())
             for name in ("group_names", "group_blocks_total", "group_blocks_in_use")
         )
+        kv_groups = []
         for name, total, in_use in zip(*groups, strict=True):
             self.kv_group_blocks_total.labels(group=name).set(total)
             self.kv_group_blocks_in_use.labels(group=name).set(in_use)
+            kv_groups.append((name, in_use, total))
         self.block_copies.labels(reason="beam_tail").inc(grown("beam_tail_copies"))
         self.block_copies.labels(reason="partial_reuse").inc(grown("partial_reuse_copies"))
         with self._lock:
@@ -247,6 +251,7 @@ class ServerMetrics:
             snapshot.prompt_tokens = counters.prompt_tokens
             snapshot.reused_tokens = counters.reused_tokens
             snapshot.beam_tail_copies = counters.beam_tail_copies
+            snapshot.kv_groups = kv_groups
 
     def set_queued_requests(self, count: int) -> None:
         self.queued_requests.set(count)
