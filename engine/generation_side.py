@@ -79,14 +79,14 @@ class GenerationSide:
         stats_before = replace(cache.stats)
         # Pulled pages overwrite whole blocks: copying a partly matched block would be wasted.
         # The prompt's final recurrent state comes with the pages: only the pages limit reuse here.
+        # A sliding group takes only the pages the first decode query (at the prompt's end) sees.
         allocation = cache.allocate_prompt(
-            prompt_ids, salt, allow_partial_reuse=False, prune_to_snapshots=False
-        )
+            prompt_ids, salt, allow_partial_reuse=False, prune_to_snapshots=False,
+            first_query_position=len(prompt_ids),
+        )  # fmt: skip
         self.kv_pool.copy_blocks(allocation.copies)
         new_blocks = cache.stats.new_blocks - stats_before.new_blocks
         table = allocation.table
-        # A sliding group needs only the pages the first decode query sees: no hole is pulled.
-        cache.release_out_of_window(table, len(prompt_ids))
         if params is not None:
             # Reservations still pulling grow once they join the batch: their bounds count too.
             reserved = [

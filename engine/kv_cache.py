@@ -206,22 +206,30 @@ class KVCacheManager:
         return all(self.tree.node(key) is not None for key in block_keys[first:num_blocks])
 
     def allocate_window_prompt(
-        self, token_ids: list[int], block_keys: list[bytes], num_reused_blocks: int
+        self,
+        token_ids: list[int],
+        block_keys: list[bytes],
+        num_reused_blocks: int,
+        first_query_position: int | None = None,
     ) -> PromptAllocation:
         """Sliding group: a prompt reusing its first num_reused_blocks blocks, of which only those
-        inside the window of the next query are looked up (is_window_reusable must hold); the ones
-        before are HOLEs from the start. All-or-nothing.
+        inside the window of the first query are looked up (is_window_reusable must hold); the
+        ones before are HOLEs from the start. first_query_position: default the end of the reused
+        prefix (a prefill resumes there); a prompt whose KV arrives whole (a pulled one) passes its
+        length, so no block outside the first decode query's window is ever taken. All-or-nothing.
 
             block   0 ...... dead-1 | dead ... k-1 | k ........
                     HOLE            | shared       | fresh
         """
         size = self.tokens_per_block
-        dead = min(self.num_out_of_window_blocks(num_reused_blocks * size), num_reused_blocks)
+        num_blocks = -(-len(token_ids) // size)
+        query = num_reused_blocks * size if first_query_position is None else first_query_position
+        dead = min(self.num_out_of_window_blocks(query), num_blocks - 1)
         nodes = [self.tree.node(key) for key in block_keys[dead:num_reused_blocks]]
         shared_ids = [node.block_id for node in nodes if node is not None]
-        if len(shared_ids) != num_reused_blocks - dead:
+        if len(shared_ids) != max(0, num_reused_blocks - dead):
             raise ValueError(f"blocks {dead}..{num_reused_blocks - 1} are not all in the tree")
-        num_fresh = -(-len(token_ids) // size) - num_reused_blocks
+        num_fresh = num_blocks - max(dead, num_reused_blocks)
         num_held_evictable = sum(1 for block_id in shared_ids if self.allocator.ref_count(block_id) == 0)
         num_available = self.allocator.num_free_blocks() - num_held_evictable
         if num_fresh > num_available:

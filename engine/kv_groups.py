@@ -259,8 +259,10 @@ class KVGroups:
         allow_partial_reuse: bool | None = None,
         prune_to_snapshots: bool | None = None,
         reuse_prefix: bool = True,
+        first_query_position: int | None = None,
     ) -> GroupedAllocation:
         """Every group's blocks for a prompt, all reusing the same prefix. All-or-nothing.
+        first_query_position: KVCacheManager.allocate_window_prompt's (a pulled prompt: its length).
 
         No window: KVCacheManager.allocate_prompt. With sliding groups, whole blocks only
         (plan_reuse): the full groups share the reused blocks, each sliding group only those its
@@ -287,7 +289,9 @@ class KVGroups:
                         token_ids, salt, False, False, reuse_prefix, num_tokens
                     )
                 else:
-                    allocation = manager.allocate_window_prompt(token_ids, plan.block_keys, plan.num_blocks)
+                    allocation = manager.allocate_window_prompt(
+                        token_ids, plan.block_keys, plan.num_blocks, first_query_position
+                    )
                 allocations.append(allocation)
         except OutOfBlocksError:
             for manager, allocation, stats in zip(self.managers, allocations, before, strict=False):

@@ -178,7 +178,9 @@ def test_disaggregated_ships_only_the_window_and_equals_aggregated(
     assert context.kv_cache.num_group_blocks_in_use() == (3, 1)
     context.check_integrity()
     reservation = generation.reserve_prompt("r", prompt, params=params)
-    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 2)) and reservation.num_cached_blocks == 0
+    # The sliding group takes only the page the first decode query sees, never the prompt's 3.
+    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 0)) and reservation.num_cached_blocks == 0
+    assert generation.kv_cache.managers[1].stats.peak_blocks_in_use == 1
     generation.check_integrity()
     moved = pull_pages(context, generation, prefill, reservation)
     full_page, sliding_page = (pool.page_bytes for pool in context.kv_pool.pools)
