@@ -50,22 +50,35 @@ def make_kv_groups(
 
 
 def group_cache_configs(
-    cache: CacheConfig, groups: Sequence[KVGroup], page_bytes: Sequence[int], max_len: int
+    cache: CacheConfig,
+    groups: Sequence[KVGroup],
+    page_bytes: Sequence[int],
+    max_len: int,
+    max_prefill_blocks: int | None = None,
 ) -> list[CacheConfig]:
     """Each group's cache config, its num_blocks fitted to its share of the memory budget.
 
     One group: cache.fitted_to(its page bytes), as a one-pool cache always was. Sized by a block
     count (no max_pool_bytes): every group gets num_blocks. Sized by memory: the budget is split in
-    proportion to what one request of max_len tokens holds in each group (its blocks times its page
-    bytes), then each share is divided by the group's page bytes."""
+    proportion to what one request of max_len tokens holds at its peak in each group (its blocks
+    times its page bytes), then each share is divided by the group's page bytes. A sliding group
+    holds at most ceil(W/T) + 1 blocks while decoding but, while its prompt is prefilled, the
+    blocks allocated for it: max_prefill_blocks (None: the whole prompt, as admission allocates it
+    today, so a sliding group gets as many blocks as a full one)."""
     if len(groups) == 1:
         return [cache.fitted_to(page_bytes[0])]
     if cache.max_pool_bytes is None:
         return [cache for _ in groups]
     size = cache.tokens_per_block
     num_blocks = -(-max_len // size)
+    prefill_blocks = num_blocks if max_prefill_blocks is None else max_prefill_blocks
     demands = [
-        (num_blocks if group.window is None else min(num_blocks, -(-group.window // size) + 1)) * page
+        (
+            num_blocks
+            if group.window is None
+            else min(num_blocks, max(prefill_blocks, -(-group.window // size) + 1))
+        )
+        * page
         for group, page in zip(groups, page_bytes, strict=True)
     ]
     total = sum(demands)
