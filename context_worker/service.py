@@ -163,19 +163,20 @@ class ContextService:
         # the lock) always finds the hold. The agent fires on_done outside its own locks.
         with self._lock:
             try:
+                # Region pages: a window-aware pool offers, per KV group, only the window's pages.
                 offer = self._agent.offer(
-                    self._region_name, list(result.block_ids), lease_s, on_done=self._on_offer_done
+                    self._region_name, list(result.region_page_ids), lease_s, on_done=self._on_offer_done
                 )
             except Exception:
                 self._release_pages(engine_request_id)
                 raise
             self._holds[offer.transfer_id] = _Hold(
-                request_id, engine_request_id, len(result.block_ids), offer.expires_at
+                request_id, engine_request_id, len(result.region_page_ids), offer.expires_at
             )
             self._metrics.set_transfers_in_flight(len(self._holds))
         logger.info(
             "prefilled %d tokens (%d reused) in %.1f ms; %d pages held as %s for %.0f s",
-            result.prompt_len, result.reused_tokens, prefill_s * 1000.0, len(result.block_ids),
+            result.prompt_len, result.reused_tokens, prefill_s * 1000.0, len(result.region_page_ids),
             offer.transfer_id, lease_s,
         )  # fmt: skip
         return HeldPrompt(
@@ -184,7 +185,7 @@ class ContextService:
             transfer_id=offer.transfer_id,
             secret=offer.secret,
             ucx_address=offer.address,
-            page_ids=list(result.block_ids),
+            page_ids=list(result.region_page_ids),
             prompt_len=result.prompt_len,
             candidate_ids=list(result.candidate_ids),
             candidate_logprobs=list(result.candidate_logprobs),

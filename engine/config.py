@@ -26,6 +26,10 @@ class CacheConfig:
     # The servers' default: the pool is exactly what max_pool_bytes holds (num_blocks is ignored),
     # so a budget, not a block count, decides the pool's memory whatever the model's page size.
     is_sized_by_memory: bool = False
+    # One KV group per attention kind, and a sliding-window group releases the blocks out of its
+    # window (engine/kv_groups.py, docs/cache.md). Off: one group, every block kept (the layout
+    # the disaggregated workers ship until transfer moves per-group pages).
+    sliding_window_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.tokens_per_block not in SUPPORTED_BLOCK_SIZES:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SamplingParams
+from engine.kv_groups import group_page_ids
 from engine.request import Request
 from engine.request_checks import check_fits_pool, check_prompt
 from engine.sampling import candidates_from_logprobs
@@ -21,7 +22,8 @@ from engine.types import PrefillResult
 
 if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig
-    from engine.kv_cache import BlockTable, KVCacheManager
+    from engine.kv_groups import GroupedTable, KVGroups
+    from engine.kv_pool import GroupedKVPool
     from engine.model_runner import ModelRunner, SequenceInput
     from engine.models.config import ModelConfig
     from engine.scheduler import Scheduler
@@ -35,12 +37,13 @@ class ContextSide:
         config: EngineConfig
         cache_config: CacheConfig
         model_config: ModelConfig
-        kv_cache: KVCacheManager
+        kv_cache: KVGroups
+        kv_pool: GroupedKVPool
         state_pool: StatePool | None
         runner: ModelRunner
         scheduler: Scheduler
         _requests: dict[str, Request]
-        _prefilled: dict[str, BlockTable]  # the pinned prompts
+        _prefilled: dict[str, GroupedTable]  # the pinned prompts
 
         def abort(self, request_id: str) -> None: ...
         def _chunk_input(self, request: Request, num_tokens: int) -> SequenceInput: ...
@@ -135,4 +138,6 @@ class ContextSide:
             recurrent_state=state,
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
             prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,
+            group_page_ids=group_page_ids(table),
+            region_page_ids=self.kv_pool.region_pages.units(table.group_block_ids()),
         )  # fmt: skip

@@ -9,6 +9,8 @@ physical pool (`kv_pool.py`) only executes the `CopyOp`s it returns. Rules it ke
   call that allocates, since the copy source may be an unreferenced cached block;
 - every operation that takes blocks is all-or-nothing: `OutOfBlocksError` leaves the cache
   exactly as it was.
+A sliding-window group's manager (`sliding_window`) releases blocks no future query can see
+(`release_out_of_window`); they leave a leading run of `HOLE`s in the table (docs/cache.md).
 For a hybrid model (`has_recurrent_state`), a prompt's match is pruned to where a recurrent-state
 snapshot exists (engine/snapshot_pruning.py), and `commit` records the snapshots a prefill stored.
 """
@@ -25,6 +27,7 @@ from engine.prefix_tree import ROOT_KEY, PrefixTree, block_key
 from engine.snapshot_pruning import prune_to_snapshot
 
 __all__ = [
+    "HOLE",
     "BlockTable",
     "CopyOp",
     "KVCacheManager",
@@ -34,12 +37,15 @@ __all__ = [
     "num_distinct_blocks",
 ]
 
+HOLE = -1  # a released block of a sliding-window table: out of every future query's window
+
 
 @dataclass
 class BlockTable:
     """One sequence (a prompt or one beam); slots 0..num_tokens-1 are assigned.
 
-    Invariant: len(block_ids) == ceil(num_tokens / T).
+    Invariant: len(block_ids) == ceil(num_tokens / T); in a sliding-window group the leading
+    entries may be HOLEs (released, out of the window).
     """
 
     block_ids: list[int]
@@ -77,16 +83,26 @@ class KVCacheStats:
     beam_copied_blocks: int = 0  # of those, partial tail blocks copied for a forked beam
     peak_blocks_in_use: int = 0  # most blocks referenced at once since construction
     hybrid_pruned_tokens: int = 0  # tokens the pages held but no snapshot did (hybrid models)
+    # KV groups (engine/kv_groups.py, counted there): tokens the full-attention layers could have
+    # reused but a sliding group's window did not hold.
+    window_pruned_tokens: int = 0
 
 
 def num_distinct_blocks(tables: Iterable[BlockTable]) -> int:
     """Blocks held by a group of tables (one request's beams), shared blocks counted once."""
-    return len({block_id for table in tables for block_id in table.block_ids})
+    return len({block_id for table in tables for block_id in table.block_ids} - {HOLE})
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig, has_recurrent_state: bool = False) -> None:
+    def __init__(
+        self, config: CacheConfig, has_recurrent_state: bool = False, sliding_window: int | None = None
+    ) -> None:
+        """sliding_window: the window of every layer this manager's blocks serve (None: full
+        attention, no block is ever released early)."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.config = config
+        self.sliding_window = sliding_window
         self.has_recurrent_state = has_recurrent_state
         self.tokens_per_block = config.tokens_per_block
         self.tree = PrefixTree(config.tokens_per_block)
@@ -121,6 +137,7 @@ class KVCacheManager:
         allow_partial_reuse: bool | None = None,
         prune_to_snapshots: bool | None = None,
         reuse_prefix: bool = True,
+        max_reused_tokens: int | None = None,
     ) -> PromptAllocation:
         """Blocks for a prompt, reusing what the tree holds. All-or-nothing.
 
@@ -135,6 +152,7 @@ class KVCacheManager:
         prune_to_snapshots (default: has_recurrent_state) cuts the match to a snapshot; a side
         that receives the prompt's final state instead (a generation worker) turns it off.
         reuse_prefix False looks nothing up (a scored prompt needs every position's logits).
+        max_reused_tokens caps the lookup (KV groups reuse what every group holds).
         """
         if not token_ids:
             raise ValueError("token_ids must not be empty")
@@ -142,7 +160,8 @@ class KVCacheManager:
             allow_partial_reuse = self.config.enable_partial_reuse
         if prune_to_snapshots is None:
             prune_to_snapshots = self.has_recurrent_state
-        match = self.tree.match(token_ids[:-1] if reuse_prefix else [], salt, allow_partial_reuse)
+        lookup = token_ids[:-1][:max_reused_tokens] if reuse_prefix else []
+        match = self.tree.match(lookup, salt, allow_partial_reuse)
         num_before_pruning, snapshot_block_id = match.num_matched_tokens, None
         if prune_to_snapshots:
             pruned = prune_to_snapshot(match, self.tree)
@@ -180,6 +199,52 @@ class KVCacheManager:
             snapshot_block_id,
         )
 
+    def is_window_reusable(self, block_keys: list[bytes], num_blocks: int) -> bool:
+        """Sliding group: the tree holds each of the first num_blocks blocks (keys: the prompt's
+        hash chain) that the first query after them, at num_blocks * T, still sees."""
+        first = self.num_out_of_window_blocks(num_blocks * self.tokens_per_block)
+        return all(self.tree.node(key) is not None for key in block_keys[first:num_blocks])
+
+    def allocate_window_prompt(
+        self,
+        token_ids: list[int],
+        block_keys: list[bytes],
+        num_reused_blocks: int,
+        first_query_position: int | None = None,
+    ) -> PromptAllocation:
+        """Sliding group: a prompt reusing its first num_reused_blocks blocks, of which only those
+        inside the window of the first query are looked up (is_window_reusable must hold); the
+        ones before are HOLEs from the start. first_query_position: default the end of the reused
+        prefix (a prefill resumes there); a prompt whose KV arrives whole (a pulled one) passes its
+        length, so no block outside the first decode query's window is ever taken. All-or-nothing.
+
+            block   0 ...... dead-1 | dead ... k-1 | k ........
+                    HOLE            | shared       | fresh
+        """
+        size = self.tokens_per_block
+        num_blocks = -(-len(token_ids) // size)
+        query = num_reused_blocks * size if first_query_position is None else first_query_position
+        dead = min(self.num_out_of_window_blocks(query), num_blocks - 1)
+        nodes = [self.tree.node(key) for key in block_keys[dead:num_reused_blocks]]
+        shared_ids = [node.block_id for node in nodes if node is not None]
+        if len(shared_ids) != max(0, num_reused_blocks - dead):
+            raise ValueError(f"blocks {dead}..{num_reused_blocks - 1} are not all in the tree")
+        num_fresh = num_blocks - max(dead, num_reused_blocks)
+        num_held_evictable = sum(1 for block_id in shared_ids if self.allocator.ref_count(block_id) == 0)
+        num_available = self.allocator.num_free_blocks() - num_held_evictable
+        if num_fresh > num_available:
+            raise OutOfBlocksError(f"prompt needs {num_fresh} new blocks, {num_available} available")
+        for block_id in shared_ids:
+            self.allocator.incref(block_id)
+        table = BlockTable([HOLE] * dead + shared_ids + self.allocator.allocate(num_fresh), len(token_ids))
+        self.stats.prompt_tokens += len(token_ids)
+        self.stats.reused_tokens += num_reused_blocks * size
+        self.stats.new_blocks += num_fresh
+        self._track_peak()
+        return PromptAllocation(
+            table, num_reused_blocks * size, num_reused_blocks, [], num_reused_blocks * size
+        )
+
     def prompt_snapshots(
         self, table: BlockTable, num_cached_tokens: int, prompt_len: int
     ) -> list[tuple[int, int]]:
@@ -211,6 +276,10 @@ class KVCacheManager:
         published: dict[int, bytes] = {}  # end of block -> its key
         for index in range(num_full):
             block_tokens = token_ids[index * size : (index + 1) * size]
+            if table.block_ids[index] == HOLE:
+                # Released out of the window: the chain goes on, the block is not published.
+                parent_key = block_key(parent_key, block_tokens, salt)
+                continue
             parent_key = self._publish(parent_key, block_tokens, salt, table.block_ids[index])
             published[index * size + size] = parent_key
         if self.config.enable_partial_commit and len(token_ids) % size:
@@ -266,7 +335,9 @@ class KVCacheManager:
         )
         # Freeing the dropped parents first lets their blocks serve the copies; count exactly
         # which blocks that would release so a failure can be raised before any change.
-        drops = Counter(block_id for index in dropped for block_id in tables[index].block_ids)
+        drops = Counter(
+            block_id for index in dropped for block_id in tables[index].block_ids if block_id != HOLE
+        )
         num_released = sum(
             1 for block_id, count in drops.items() if self.allocator.ref_count(block_id) == count
         )
@@ -292,7 +363,8 @@ class KVCacheManager:
                 copies.append(copy)
                 private_ids.append(copy.dst_block)
             for block_id in block_ids:
-                self.allocator.incref(block_id)
+                if block_id != HOLE:
+                    self.allocator.incref(block_id)
             new_tables.append(BlockTable(block_ids + private_ids, table.num_tokens))
         self.stats.new_blocks += num_copies
         self.stats.copied_blocks += num_copies
@@ -324,9 +396,35 @@ class KVCacheManager:
         other prompts are more likely to share.
         """
         for block_id in reversed(table.block_ids):
-            self.allocator.decref(block_id)
+            if block_id != HOLE:
+                self.allocator.decref(block_id)
         table.block_ids = []
         table.num_tokens = 0
+
+    def num_out_of_window_blocks(self, first_query_position: int) -> int:
+        """Leading blocks no query at a position >= first_query_position can see (0: full
+        attention). Query i sees key j when i - W < j <= i, so block b is dead once its last
+        position bT + T - 1 <= first_query_position - W:
+
+            position  0 ... bT+T-1 | ...... q-W+1 ...... q
+                      dead blocks  |  window of query q
+        """
+        if self.sliding_window is None:
+            return 0
+        return max(0, (first_query_position - self.sliding_window + 1) // self.tokens_per_block)
+
+    def release_out_of_window(self, table: BlockTable, first_query_position: int) -> int:
+        """Release the blocks no future query of this table can see (every future query is at a
+        position >= first_query_position); each leaves a HOLE. Returns how many were released."""
+        num_dead = min(self.num_out_of_window_blocks(first_query_position), len(table.block_ids) - 1)
+        num_released = 0
+        for index in range(num_dead):
+            block_id = table.block_ids[index]
+            if block_id != HOLE:
+                self.allocator.decref(block_id)
+                table.block_ids[index] = HOLE
+                num_released += 1
+        return num_released
 
     def _track_peak(self) -> None:
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, self.num_blocks_in_use())
@@ -348,7 +446,14 @@ class KVCacheManager:
             assert len(table.block_ids) == expected, (
                 f"table of {table.num_tokens} tokens has {table.block_ids}"
             )
-            uses.update(table.block_ids)
+            num_holes = table.block_ids.count(HOLE)
+            assert table.block_ids[:num_holes] == [HOLE] * num_holes, f"holes not leading: {table.block_ids}"
+            # The newest token's query (position num_tokens - 1) may still run: its window stays.
+            num_dead = self.num_out_of_window_blocks(max(table.num_tokens - 1, 0))
+            assert num_holes <= num_dead, (
+                f"a hole inside the window: {table.block_ids} ({table.num_tokens} tokens)"
+            )
+            uses.update(block_id for block_id in table.block_ids if block_id != HOLE)
             if self._has_partial_tail(table):
                 assert self.allocator.ref_count(table.block_ids[-1]) == 1, "shared partial last block"
         for block_id in range(self.allocator.num_blocks):

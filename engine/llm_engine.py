@@ -20,7 +20,6 @@ Not thread-safe: one thread owns the engine. See docs/engine.md for the request 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import replace
 
@@ -29,25 +28,25 @@ import torch
 from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
+from engine.generation_side import GenerationSide
 from engine.heap import trim_heap
-from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError
-from engine.kv_pool import KVPool
+from engine.kv_cache import CopyOp
+from engine.kv_groups import GroupedTable, KVGroups
+from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.loader import load_model
 from engine.packed_linear import warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder
-from engine.request_checks import check_fits_pool, check_params, check_prompt
+from engine.request_checks import check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
 from engine.state_pool import StatePool
 from engine.stop_strings import StopStringMatcher
-from engine.types import EngineCounters, KVRegion, PromptReservation, RequestOutput, TokenLogprob
-
-logger = logging.getLogger(__name__)
+from engine.types import EngineCounters, KVRegion, RequestOutput, TokenLogprob
 
 
-class LLMEngine(ContextSide):
+class LLMEngine(ContextSide, GenerationSide):
     def __init__(self, config: EngineConfig, queue_limits: QueueLimits | None = None) -> None:
         """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
         model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
@@ -55,20 +54,18 @@ class LLMEngine(ContextSide):
             # Every kernel check and weight packing now, before anyone calls this engine ready:
             # not on the first request (engine/packed_linear.py).
             make_batch_invariant(model)
-        page_bytes = KVPool.page_bytes_for(self.model_config, config.cache.tokens_per_block, model.dtype)
         # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
-        page_bytes += StatePool.state_bytes_for(self.model_config, model.dtype)
-        cache_config = config.cache.fitted_to(page_bytes)
-        if cache_config.num_blocks != config.cache.num_blocks and not config.cache.is_sized_by_memory:
-            logger.info(
-                "KV pool: %d blocks of %.2f MiB fit in max_pool_bytes %d (asked for %d)",
-                cache_config.num_blocks, page_bytes / 2**20, config.cache.max_pool_bytes, config.cache.num_blocks,
-            )  # fmt: skip
+        layout = GroupedKVPool.build(
+            self.model_config, config.cache, model.dtype, config.device,
+            StatePool.state_bytes_for(self.model_config, model.dtype),
+        )  # fmt: skip
+        cache_config, page_bytes = layout.cache_configs[0], layout.group_page_bytes[0]
         self.config = replace(config, cache=cache_config)  # the pool size found at run time
-        self.page_bytes = page_bytes  # one block of every layer (and its state snapshot, hybrids)
+        self.page_bytes = page_bytes  # one block of group 0's layers (and its state snapshot, hybrids)
+        self.group_page_bytes = layout.group_page_bytes  # per KV group (engine/kv_groups.py)
         self.cache_config = cache_config
-        self.kv_pool = KVPool(self.model_config, cache_config, model.dtype, config.device)
-        self.kv_cache = KVCacheManager(cache_config, has_recurrent_state=self.model_config.is_hybrid)
+        self.kv_pool = layout.pool
+        self.kv_cache = KVGroups(layout.cache_configs, layout.groups, self.model_config.is_hybrid)
         self.state_pool: StatePool | None = None
         if self.model_config.is_hybrid:
             # One slot per running beam (max_num_seqs of them) plus as many for prompts being
@@ -80,7 +77,8 @@ class LLMEngine(ContextSide):
                 model.dtype,
                 config.device,
             )
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant)
+        windows = [group.window for group in layout.groups]
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant, windows)
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,
@@ -90,7 +88,7 @@ class LLMEngine(ContextSide):
             queue_limits,
         )
         self._requests: dict[str, Request] = {}
-        self._prefilled: dict[str, BlockTable] = {}  # context side: pinned prompts
+        self._prefilled: dict[str, GroupedTable] = {}  # context side: pinned prompts
         self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
         self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
         self._request_counter = itertools.count()
@@ -142,6 +140,7 @@ class LLMEngine(ContextSide):
                     slot_id,
                     is_decode=True,
                     num_beams=num_beams,
+                    group_block_ids=table.group_block_ids(),
                 )
                 for table, token_id, slot_id in zip(
                     request.tables, request.pending.token_ids, slot_ids, strict=True
@@ -206,140 +205,9 @@ class LLMEngine(ContextSide):
                 if output.request_id == request_id and output.finished:
                     return output
 
-    # -- generation side ---------------------------------------------------------------------
-    def reserve_prompt(
-        self, request_id: str, prompt_ids: list[int], salt: bytes = b"", params: SamplingParams | None = None
-    ) -> PromptReservation:
-        """Blocks for a prompt whose KV will be pulled. With `params`, the request's whole block
-        bound must fit next to what the running requests and the other reservations may still
-        take, and, for a hybrid model, its W state slots are taken now. Raises PoolTooSmallError
-        when the bound exceeds the whole pool (it never fits), OutOfBlocksError when it does not
-        fit now (a caller may retry later); either way nothing is held."""
-        check_prompt(self.model_config, prompt_ids, 0 if params is None else params.max_new_tokens)
-        if request_id in self._reservations or request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        bound = 0
-        if params is not None:
-            bound = self.kv_cache.blocks_needed(
-                len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width
-            )
-            check_fits_pool(request_id, f"up to {bound} blocks", bound, self.kv_cache.allocator.num_blocks)
-        # A refusal restores the counters too: a queued request retries, and must not count its
-        # lookups each time.
-        stats_before = replace(self.kv_cache.stats)
-        # Pulled pages overwrite whole blocks: copying a partly matched block would be wasted.
-        new_blocks_before = self.kv_cache.stats.new_blocks
-        # The prompt's final recurrent state comes with the pages: only the pages limit reuse here.
-        allocation = self.kv_cache.allocate_prompt(
-            prompt_ids, salt, allow_partial_reuse=False, prune_to_snapshots=False
-        )
-        self.kv_pool.copy_blocks(allocation.copies)
-        new_blocks = self.kv_cache.stats.new_blocks - new_blocks_before
-        table = allocation.table
-        if params is not None:
-            # Reservations still pulling grow once they join the batch: their bounds count too.
-            reserved = sum(request.remaining_blocks() for request in self.scheduler.running) + sum(
-                held.remaining_blocks() for held in self._reservations.values()
-            )
-            if self.kv_cache.num_free_blocks() < reserved + max(0, bound - len(table.block_ids)):
-                self.kv_cache.free(table)
-                self.kv_cache.stats = stats_before
-                raise OutOfBlocksError(
-                    f"request {request_id!r} needs up to {bound} blocks; the pool is full "
-                    f"({self.kv_cache.num_free_blocks()} of {self.kv_cache.allocator.num_blocks} free, {reserved} promised "
-                    "to running and reserved requests)"
-                )
-        slot_ids: list[int] = []
-        if params is not None and self.state_pool is not None:
-            try:
-                slot_ids = self.state_pool.allocate_slots(params.beam_width)
-            except OutOfBlocksError:
-                self.kv_cache.free(table)
-                self.kv_cache.stats = stats_before
-                raise
-        self._reservations[request_id] = Reservation(
-            table, list(prompt_ids), salt, new_blocks, slot_ids, bound
-        )
-        return PromptReservation(request_id, list(table.block_ids), allocation.num_cached_blocks)
-
-    def cancel_reservation(self, request_id: str) -> None:
-        reservation = self._reservations.pop(request_id, None)
-        if reservation is not None:
-            self.kv_cache.free(reservation.table)
-            self._free_slots(reservation.state_slot_ids)
-
-    def add_prefilled_request(
-        self,
-        reservation: PromptReservation,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        candidate_ids: list[int],
-        candidate_logprobs: list[float],
-        recurrent_state: bytes = b"",
-        candidate_model_logprobs: list[float] | None = None,
-    ) -> None:
-        """The reservation's blocks now hold the prompt's KV: expand to the beams and join the batch.
-        The decoder starts from candidate_logprobs; scoring records candidate_model_logprobs (empty:
-        the same numbers).
-
-        A hybrid model also needs `recurrent_state`, the state after the whole prompt
-        (PrefillResult.recurrent_state); it is installed in beam 0's slot before the beams expand.
-        """
-        request_id = reservation.request_id
-        held = self._reservations.get(request_id)
-        if held is None:
-            raise KeyError(f"no reservation for request_id {request_id!r}")
-        if list(prompt_ids) != held.prompt_ids:
-            raise ValueError("prompt_ids differ from the reserved prompt")
-        self._check_new_request(request_id, prompt_ids, params)
-        request = self._make_request(request_id, prompt_ids, params, held.salt)
-        # The decoder checks the candidates before anything else changes: a refusal leaves the
-        # reservation as it was.
-        first_step = request.active_decoder.start(list(candidate_ids), list(candidate_logprobs))
-        if request.logprob_trie is not None:
-            request.logprob_trie.record_candidates(
-                list(candidate_ids), list(candidate_model_logprobs or candidate_logprobs)
-            )
-            request.logprob_trie.advance(first_step.parent_indices, first_step.token_ids, None)
-        if self.state_pool is not None:
-            if len(recurrent_state) != self.state_pool.state_bytes:
-                raise ValueError(
-                    f"recurrent_state must hold {self.state_pool.state_bytes} bytes, got {len(recurrent_state)}"
-                )
-            if len(held.state_slot_ids) != request.num_beams:
-                # Reserved without params (or for another width); a refusal leaves it unchanged.
-                fresh_slot_ids = self.state_pool.allocate_slots(request.num_beams)
-                self._free_slots(held.state_slot_ids)
-                held.state_slot_ids = fresh_slot_ids
-            request.state_slot_ids = held.state_slot_ids
-            self.state_pool.write(request.state_slot_ids[0], recurrent_state)
-        del self._reservations[request_id]
-        request.tables = [held.table]
-        request.reused_tokens = reservation.num_cached_blocks * self.cache_config.tokens_per_block
-        request.num_tokens_before_hybrid_pruning = request.reused_tokens
-        request.new_blocks = held.new_blocks
-        request.times.admitted = time.monotonic()
-        snapshot_lens: list[int] = []
-        if self.state_pool is not None:
-            # The shipped state is the snapshot of the prompt's last block when the prompt ends it.
-            prompt_len = len(request.prompt_ids)
-            for num_tokens, block_id in self.kv_cache.prompt_snapshots(
-                held.table, prompt_len - 1, prompt_len
-            ):
-                self.state_pool.save_snapshot(request.state_slot_ids[0], block_id)
-                snapshot_lens.append(num_tokens)
-        self._copy_snapshots(self.kv_cache.commit(held.table, request.prompt_ids, held.salt, snapshot_lens))
-        self._requests[request_id] = request
-        self.scheduler.add_running(request)
-        request.record_step(first_step)
-        # The first token leaves before the next forward pass, not with its result: a pulled
-        # request's TTFT is the prefill plus the pull, as an aggregated one's is its prefill.
-        self._ready_outputs.append(
-            self._finish(request) if request.active_decoder.is_done else self._progress(request)
-        )
-
     # -- pool --------------------------------------------------------------------------------
     def kv_region(self) -> KVRegion:
+        """The transfer region: every KV group's pool, in pages of kv_pool.unit_bytes."""
         return self.kv_pool.region()
 
     def num_blocks_in_use(self) -> int:
@@ -348,9 +216,9 @@ class LLMEngine(ContextSide):
     def counters(self) -> EngineCounters:
         stats = self.kv_cache.stats
         return EngineCounters(
-            num_blocks_total=self.cache_config.num_blocks,
+            num_blocks_total=sum(self.kv_cache.num_blocks()),
             num_blocks_in_use=self.kv_cache.num_blocks_in_use(),
-            num_blocks_cached=self.kv_cache.allocator.num_cached_blocks(),
+            num_blocks_cached=sum(self.kv_cache.num_group_blocks_cached()),
             num_waiting_requests=len(self.scheduler.waiting),
             num_running_requests=len(self.scheduler.running),
             prompt_tokens=stats.prompt_tokens,
@@ -358,6 +226,10 @@ class LLMEngine(ContextSide):
             beam_tail_copies=stats.beam_copied_blocks,
             partial_reuse_copies=stats.copied_blocks - stats.beam_copied_blocks,
             hybrid_pruned_tokens=stats.hybrid_pruned_tokens,
+            window_pruned_tokens=stats.window_pruned_tokens,
+            group_names=self.kv_cache.group_names(),
+            group_blocks_total=self.kv_cache.num_blocks(),
+            group_blocks_in_use=self.kv_cache.num_group_blocks_in_use(),
         )
 
     def check_integrity(self) -> None:
@@ -390,8 +262,9 @@ class LLMEngine(ContextSide):
         targets, num_top = request.score_targets(start, end), request.params.prompt_logprobs or 0
         if self.state_pool is None:
             return SequenceInput(
-                table.block_ids, start, new_ids, score_target_ids=targets, score_num_top=num_top
-            )
+                table.block_ids, start, new_ids, score_target_ids=targets, score_num_top=num_top,
+                group_block_ids=table.group_block_ids(),
+            )  # fmt: skip
         snapshots = [
             (position, block_id)
             for position, block_id in self._prompt_snapshots(request)
@@ -416,19 +289,22 @@ class LLMEngine(ContextSide):
         KV does not depend on the chunk it was computed in (batch invariance). So a prompt sharing
         the prefix, admitted while this one is still in its chunks, reuses them instead of
         computing the prefix again. Commit is idempotent: the final commit publishes them again as
-        no-ops."""
+        no-ops. Then a sliding group releases the (published) blocks that the next queries, from
+        num_computed_tokens on, cannot see (a pinned context-side prompt ships only its window)."""
         prompt_ids = request.prompt_ids
         if num_tokens is not None:
             num_tokens -= num_tokens % self.cache_config.tokens_per_block
-            if num_tokens <= request.num_cached_tokens:
-                return  # nothing written past what the prompt reused
             prompt_ids = prompt_ids[:num_tokens]
-        snapshot_lens: list[int] = []
-        if self.state_pool is not None:
-            snapshot_lens = [
-                length for length, _ in self._prompt_snapshots(request) if length <= len(prompt_ids)
-            ]
-        self._copy_snapshots(self.kv_cache.commit(request.tables[0], prompt_ids, request.salt, snapshot_lens))
+        if len(prompt_ids) > request.num_cached_tokens or num_tokens is None:
+            snapshot_lens: list[int] = []
+            if self.state_pool is not None:
+                snapshot_lens = [
+                    length for length, _ in self._prompt_snapshots(request) if length <= len(prompt_ids)
+                ]
+            self._copy_snapshots(
+                self.kv_cache.commit(request.tables[0], prompt_ids, request.salt, snapshot_lens)
+            )
+        self.kv_cache.release_out_of_window(request.tables[0], request.num_computed_tokens)
 
     def _copy_snapshots(self, copies: list[CopyOp]) -> None:
         for copy in copies:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.attention import AttentionMetadata, prepare_attention
 from engine.batch_invariant import make_row_layout, row_layout
-from engine.kv_pool import KVPool
+from engine.kv_cache import HOLE
+from engine.kv_pool import GroupedKVPool, KVPool
 from engine.logprobs import report_logprobs, score_rows
 from engine.models.lfm2 import Lfm2Model
 from engine.models.loader import Model
@@ -51,6 +52,9 @@ class SequenceInput:
     is_decode: bool = False
     # Decode steps only: the request's beam count W (its W sequences sit together in the batch).
     num_beams: int = 1
+    # KV groups (engine/kv_groups.py): every group's table, group 0's first (== block_ids); empty
+    # for a one-group cache. A sliding group's tables may lead with HOLEs.
+    group_block_ids: Sequence[Sequence[int]] = ()
     # Scoring a prompt: the tokens that follow its first len(score_target_ids) new tokens; those
     # rows' log-probs (the target's and the best score_num_top) come back with the pass.
     score_target_ids: Sequence[int] = ()
@@ -71,6 +75,13 @@ class PreparedBatch:
     recurrent: RecurrentMetadata | None
 
 
+def without_holes(block_ids: Sequence[int]) -> Sequence[int]:
+    """A released block (HOLE) read as page 0: any valid page does, the window mask hides it."""
+    if HOLE not in block_ids:
+        return block_ids
+    return [0 if block_id == HOLE else block_id for block_id in block_ids]
+
+
 def beam_group_sizes(seqs: Sequence[SequenceInput]) -> list[int]:
     """Per sequence: 0 for prompt tokens, else the W of its request (whose W beams are consecutive)."""
     return [seq.num_beams if seq.is_decode else 0 for seq in seqs]
@@ -80,12 +91,14 @@ class ModelRunner:
     def __init__(
         self,
         model: Model,
-        kv_pool: KVPool,
+        kv_pool: KVPool | GroupedKVPool,
         state_pool: StatePool | None = None,
         batch_invariant: bool = False,
+        group_windows: Sequence[int | None] = (None,),
     ) -> None:
         """batch_invariant: a sequence's log-probs do not depend on the rest of the batch; the
-        model's linear layers must be RowChunkedLinear too (make_batch_invariant)."""
+        model's linear layers must be RowChunkedLinear too (make_batch_invariant). group_windows:
+        each KV group's window (engine/kv_groups.py; one group: the pool is one layout)."""
         if isinstance(model, Lfm2Model) != (state_pool is not None):
             raise ValueError("a state pool goes with a hybrid model, and only with one")
         self.batch_invariant = batch_invariant
@@ -93,18 +106,32 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.device = kv_pool.device
+        self.group_windows = tuple(group_windows)
 
     def prepare_batch(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
-        specs = [(seq.block_ids, seq.num_cached_tokens, len(seq.token_ids)) for seq in seqs]
         is_decode = [seq.is_decode for seq in seqs] if self.batch_invariant else None
-        metadata = prepare_attention(
-            specs,
-            self.kv_pool.tokens_per_block,
-            self.device,
-            is_decode,
-            beam_group_sizes(seqs),
-            self.model.config.sliding_windows,
-        )
+        model_windows = self.model.config.sliding_windows
+
+        def group_metadata(group: int) -> AttentionMetadata:
+            window = self.group_windows[group]
+            specs = [
+                (without_holes(seq.group_block_ids[group] if seq.group_block_ids else seq.block_ids),
+                 seq.num_cached_tokens, len(seq.token_ids))
+                for seq in seqs
+            ]  # fmt: skip
+            windows = model_windows if window is None else (window,)
+            return prepare_attention(
+                specs, self.kv_pool.tokens_per_block, self.device, is_decode, beam_group_sizes(seqs), windows
+            )
+
+        metadata = group_metadata(0)
+        if len(self.group_windows) > 1 or self.group_windows[0] is not None:
+            by_window = {
+                window: group_metadata(group)
+                for group, window in enumerate(self.group_windows)
+                if group > 0 and window is not None
+            }
+            metadata = replace(metadata, by_window=by_window)
         token_ids = [token_id for seq in seqs for token_id in seq.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]
         recurrent = None

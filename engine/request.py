@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.beam_search import BeamSearch, BeamSearchParams, BeamStep
 from engine.config import SamplingParams
-from engine.kv_cache import BlockTable, num_distinct_blocks
+from engine.kv_groups import BlockCounts, GroupedTable, num_group_blocks_held
 from engine.logprobs import LogprobTrie
 from engine.sampling import SingleSequence
 from engine.stop_strings import StopStringMatcher
@@ -75,7 +75,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     # Before the first step: the prompt's table. After: one table per running beam, in the
     # decoder's running order, each holding the KV of every token fed so far.
-    tables: list[BlockTable] = field(default_factory=list)
+    tables: list[GroupedTable] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV was there before prefill
     # Prompt tokens whose KV is in the pool: the cached ones, then each chunk run so far.
     #   0 ...... num_cached_tokens ...... num_computed_tokens ...... prompt_len
@@ -93,12 +93,20 @@ class Request:
     unsent_token_ids: list[list[int]] = field(default_factory=list)
     unsent_parent_indices: list[int] = field(default_factory=list)
     error: str | None = None
-    formula_blocks: int = 0
+    formula_blocks: int = 0  # the admission bound, summed over KV groups
+    # Per KV group: the bound (formula_blocks' terms), and the bound from the first decode step on
+    # (a sliding group no longer holds the whole prompt then).
+    formula_group_blocks: BlockCounts = ()
+    decode_group_blocks: BlockCounts = ()
     peak_blocks: int = 0
     reused_tokens: int = 0
     # What the attention pages alone supported (> reused_tokens when a hybrid model's snapshots
     # cut the match); equals reused_tokens for a model without recurrent layers.
     num_tokens_before_hybrid_pruning: int = 0
+    # Sliding windows (docs/cache.md): what the full-attention layers alone could reuse, and what
+    # the sliding layers alone allow; reused_tokens is what all groups could continue from.
+    full_attention_reusable_tokens: int = 0
+    window_reusable_tokens: int = 0
     # Hybrid models: one recurrent-state slot per beam, slot i for running beam i.
     state_slot_ids: list[int] = field(default_factory=list)
     new_blocks: int = 0
@@ -153,12 +161,18 @@ class Request:
         """Every running beam has a slot for its pending token: the request can join a forward."""
         return self.pending is not None and self.is_reordered and self.num_grown_tables == len(self.tables)
 
-    def num_blocks_held(self) -> int:
-        return num_distinct_blocks(self.tables)
+    def num_group_blocks_held(self) -> BlockCounts:
+        return num_group_blocks_held(self.tables, len(self.formula_group_blocks))
 
-    def remaining_blocks(self) -> int:
-        """Blocks this request may still take before reaching its formula bound."""
-        return max(0, self.formula_blocks - self.num_blocks_held())
+    def num_blocks_held(self) -> int:
+        return sum(self.num_group_blocks_held())
+
+    def remaining_blocks(self) -> BlockCounts:
+        """Per KV group, blocks this request may still take before reaching its bound (its decode
+        bound once it decodes)."""
+        bound = self.decode_group_blocks if self.state is RequestState.DECODING else self.formula_group_blocks
+        held = self.num_group_blocks_held()
+        return tuple(max(0, need - have) for need, have in zip(bound, held, strict=True))
 
     def record_step(self, step: BeamStep) -> None:
         """The decoder decided one more token per running beam; remember it for the next output."""
@@ -193,6 +207,8 @@ class Request:
             "prompt_tokens": self.prompt_len,
             "reused_tokens": self.reused_tokens,
             "num_tokens_before_hybrid_pruning": self.num_tokens_before_hybrid_pruning,
+            "full_attention_reusable_tokens": self.full_attention_reusable_tokens,
+            "window_reusable_tokens": self.window_reusable_tokens,
             "new_blocks": self.new_blocks,
             "copied_blocks": self.copied_blocks,
             "peak_blocks": self.peak_blocks,
@@ -211,12 +227,18 @@ class Request:
 class Reservation:
     """Generation side: a prompt's blocks, reserved while its pages are pulled."""
 
-    table: BlockTable
+    table: GroupedTable
     prompt_ids: list[int]
     salt: bytes
     new_blocks: int
     state_slot_ids: list[int]  # hybrid, with params: the request's W slots, taken up front
-    bound_blocks: int = 0  # with params: the request's block bound, promised while its pull runs
+    # with params: the request's block bound per KV group, promised while its pull runs
+    bound_blocks: BlockCounts = ()
+    full_attention_reusable_tokens: int = 0  # the diagnostic of its allocation (Request's fields)
+    window_reusable_tokens: int = 0
 
-    def remaining_blocks(self) -> int:
-        return max(0, self.bound_blocks - len(self.table.block_ids))
+    def remaining_blocks(self) -> BlockCounts:
+        if not self.bound_blocks:
+            return tuple(0 for _ in self.table.tables)
+        held = num_group_blocks_held([self.table], len(self.table.tables))
+        return tuple(max(0, need - have) for need, have in zip(self.bound_blocks, held, strict=True))

@@ -27,9 +27,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
-from engine.kv_cache import BlockTable, CopyOp, KVCacheManager, OutOfBlocksError, PromptAllocation
+from engine.kv_cache import CopyOp, KVCacheManager, OutOfBlocksError
+from engine.kv_groups import BlockCounts, GroupedAllocation, GroupedTable, KVGroups
 from engine.request import Request, RequestState
 from engine.state_pool import OutOfStateSlotsError, StatePool
 
@@ -85,34 +86,41 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
-        kv_cache: KVCacheManager,
+        kv_cache: KVGroups | KVCacheManager,
         max_num_seqs: int,
-        copy_blocks: Callable[[list[CopyOp]], None],
+        copy_blocks: Callable[[tuple[list[CopyOp], ...]], None] | Callable[[list[CopyOp]], None],
         state_pool: StatePool | None = None,
         max_num_batched_tokens: int | None = None,
         queue_limits: QueueLimits | None = None,
     ) -> None:
         """max_num_batched_tokens: the token budget of one forward pass (None: no limit, every
-        prompt runs whole)."""
-        self.kv_cache = kv_cache
+        prompt runs whole). copy_blocks takes one copy list per KV group (KVGroups), or one list
+        (a bare KVCacheManager, which is one group)."""
+        self.copy_blocks: Callable[[tuple[list[CopyOp], ...]], None]
+        if isinstance(kv_cache, KVGroups):
+            self.kv_cache = kv_cache
+            self.copy_blocks = cast(Callable[[tuple[list[CopyOp], ...]], None], copy_blocks)
+        else:
+            self.kv_cache = KVGroups.of_manager(kv_cache)
+            copy_one = cast(Callable[[list[CopyOp]], None], copy_blocks)
+            self.copy_blocks = lambda copies: copy_one(copies[0])
         self.queue_limits = queue_limits or QueueLimits()
         self.max_num_batched_tokens = max_num_batched_tokens
         # Hybrid models: request.state_slot_ids[i] holds running beam i's recurrent state.
         self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         # Copies must reach the pool before any later allocation may hand out their source.
-        self.copy_blocks = copy_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
     # -- membership --------------------------------------------------------------------------
     def add_waiting(self, request: Request) -> None:
-        request.formula_blocks = self._formula(request)
+        self._set_formula(request)
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
         """A request whose prompt KV is already in its table (generation side)."""
-        request.formula_blocks = self._formula(request)
+        self._set_formula(request)
         request.state = RequestState.DECODING
         request.num_computed_tokens = request.prompt_len
         self._note_blocks(request)
@@ -122,7 +130,7 @@ class Scheduler:
         """A context-side prompt, allocated now (OutOfBlocksError leaves nothing held, as a
         synchronous prefill always did) and run chunk by chunk in the following steps. It takes
         no admission turn: the context side never decodes, so it promises no growth."""
-        request.formula_blocks = self._formula(request)
+        self._set_formula(request)
         if self.state_pool is not None and self.state_pool.num_free_slots() < request.num_beams:
             raise OutOfStateSlotsError(
                 f"need {request.num_beams} state slots, {self.state_pool.num_free_slots()} free"
@@ -154,7 +162,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def live_tables(self) -> Iterable[BlockTable]:
+    def live_tables(self) -> Iterable[GroupedTable]:
         for request in self.running:
             yield from request.tables
 
@@ -225,9 +233,8 @@ class Scheduler:
         # too kept requests queued behind long prompts until the queue's wait bound refused them.)
         while self.waiting:
             request = self.waiting[0]
-            if (
-                request.num_beams > self.max_num_seqs
-                or request.formula_blocks > self.kv_cache.config.num_blocks
+            if request.num_beams > self.max_num_seqs or not self.kv_cache.fits(
+                request.formula_group_blocks, self.kv_cache.num_blocks()
             ):
                 self.waiting.popleft()
                 self._fail(request, self._too_large_message(request), batch)
@@ -279,7 +286,7 @@ class Scheduler:
     def _try_allocate_prompt(self, request: Request) -> bool:
         if self.state_pool is not None and self.state_pool.num_free_slots() < request.num_beams:
             return False
-        reserved = sum(other.remaining_blocks() for other in self.running)
+        reserved = self.reserved_blocks()
         stats = self.kv_cache.stats
         before = self._stats_before()
         try:
@@ -290,7 +297,7 @@ class Scheduler:
             return False
         request.tables = [allocation.table]
         growth = request.remaining_blocks()
-        if self.kv_cache.num_free_blocks() < reserved + growth:
+        if not self.kv_cache.fits(tuple(map(sum, zip(reserved, growth, strict=True)))):
             # Not enough room for this request's bound next to the running ones' bounds.
             self.kv_cache.free(allocation.table)
             request.tables = []
@@ -309,18 +316,34 @@ class Scheduler:
             stats.hybrid_pruned_tokens,
         )  # fmt: skip
 
+    def reserved_blocks(self) -> BlockCounts:
+        """Per KV group, the blocks the running requests may still take (their bounds' rest)."""
+        total = [0] * self.kv_cache.num_groups
+        for other in self.running:
+            for group, count in enumerate(other.remaining_blocks()):
+                total[group] += count
+        return tuple(total)
+
     def _install_prompt(
-        self, request: Request, allocation: PromptAllocation, before: tuple[int, int, int, int, int]
+        self, request: Request, allocation: GroupedAllocation, before: tuple[int, int, int, int, int]
     ) -> None:
         """The request takes its allocated prompt table (and, hybrid, its state slots)."""
         stats = self.kv_cache.stats
         request.tables = [allocation.table]
         self.copy_blocks(allocation.copies)
+        # The first chunk's queries start after the reused prefix: what they cannot see goes.
+        self.kv_cache.release_out_of_window(allocation.table, allocation.num_cached_tokens)
         if self.state_pool is not None:
             # Loaded now, before any later allocation may evict the snapshot's block.
             request.state_slot_ids = self.state_pool.allocate_slots(request.num_beams)
             self.state_pool.reset(request.state_slot_ids[0], allocation.snapshot_block_id)
         request.num_tokens_before_hybrid_pruning = allocation.num_tokens_before_hybrid_pruning
+        request.full_attention_reusable_tokens = allocation.full_attention_reusable_tokens
+        request.window_reusable_tokens = allocation.window_reusable_tokens
+        # Counted once admitted (a refused allocation is retried and must not count twice).
+        self.kv_cache.stats.window_pruned_tokens += (
+            allocation.full_attention_reusable_tokens - allocation.num_cached_tokens
+        )
         request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
         request.reused_tokens = allocation.num_cached_tokens
@@ -353,22 +376,41 @@ class Scheduler:
             fed = request.prompt_len + max(request.num_steps - 1, 0)
             assert all(table.num_tokens in (fed, fed + 1) for table in request.tables), request.request_id
             assert request.peak_blocks <= request.formula_blocks, f"{request.request_id} exceeds its bound"
+            bound = (
+                request.decode_group_blocks
+                if request.state is RequestState.DECODING
+                else request.formula_group_blocks
+            )
+            held = request.num_group_blocks_held()
+            assert all(have <= need for have, need in zip(held, bound, strict=True)), (
+                f"{request.request_id} holds {held} blocks per KV group, its bound is {bound}"
+            )
             if self.state_pool is not None:
                 assert len(request.state_slot_ids) == request.num_beams, f"{request.request_id} state slots"
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _formula(self, request: Request) -> int:
+    def _set_formula(self, request: Request) -> None:
         max_new_tokens = 0 if request.is_prefill_only else request.params.max_new_tokens
-        return self.kv_cache.blocks_needed(
-            request.prompt_len, request.prompt_len + max_new_tokens, request.num_beams
+        total_len = request.prompt_len + max_new_tokens
+        request.formula_group_blocks = self.kv_cache.blocks_needed(
+            request.prompt_len, total_len, request.num_beams
         )
+        request.decode_group_blocks = self.kv_cache.blocks_needed(
+            request.prompt_len, total_len, request.num_beams, is_decoding=True
+        )
+        request.formula_blocks = sum(request.formula_group_blocks)
 
     def _too_large_message(self, request: Request) -> str:
         if request.num_beams > self.max_num_seqs:
             return f"beam_width {request.num_beams} exceeds max_num_seqs {self.max_num_seqs}"
+        if self.kv_cache.num_groups == 1:
+            return (
+                f"request needs up to {request.formula_blocks} KV blocks, the pool has "
+                f"{self.kv_cache.num_blocks()[0]}"
+            )
         return (
-            f"request needs up to {request.formula_blocks} KV blocks, the pool has "
-            f"{self.kv_cache.config.num_blocks}"
+            f"request needs up to {list(request.formula_group_blocks)} KV blocks per group, the pools have "
+            f"{list(self.kv_cache.num_blocks())}"
         )
 
     def _counted(self, request: Request, operation: Callable[[], Result]) -> Result:

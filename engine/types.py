@@ -60,6 +60,12 @@ class PrefillResult:
     num_tokens_before_hybrid_pruning: int = 0  # what the pages alone supported (>= reused_tokens)
     # Asked with prompt_logprobs: positions 1 .. P-1 (position 0 has no log-prob).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Window-aware KV groups (engine/kv_groups.py): per group the pinned pages, HOLE (-1) where a
+    # sliding group released the block (out of the window at the prompt's end); () for one group.
+    group_page_ids: tuple[tuple[int, ...], ...] = ()
+    # The pages to offer, as pages of the engine's transfer region (engine/region_pages.py): the
+    # held blocks of every group in canonical order; block_ids for a one-group pool.
+    region_page_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,14 @@ class PromptReservation:
     request_id: str
     block_ids: list[int]  # ceil(P / T) blocks for the prompt, owned by the request
     num_cached_blocks: int  # block_ids[num_cached_blocks:] must be filled by a pull
+    # Per KV group its pages, HOLE (-1) where nothing is pulled (engine/kv_groups.pages_to_pull);
+    # () for one group.
+    group_page_ids: tuple[tuple[int, ...], ...] = ()
+    # The pull, in region pages (engine/region_pages.py): positions in the holder's
+    # region_page_ids to read, and this engine's region pages to write, one for one.
+    source_positions: list[int] = field(default_factory=list)
+    region_page_ids: list[int] = field(default_factory=list)
+    num_source_pages: int = 0  # how many region pages the holder offers for this prompt
 
     @property
     def missing_block_ids(self) -> list[int]:
@@ -98,3 +112,9 @@ class EngineCounters:
     beam_tail_copies: int  # partial last blocks copied for a forked beam
     partial_reuse_copies: int  # partly reused blocks copied before being written
     hybrid_pruned_tokens: int = 0  # prompt tokens the pages held but no state snapshot reached
+    # prompt tokens the full-attention layers held but a sliding layer's window did not
+    window_pruned_tokens: int = 0
+    # Per KV group (engine/kv_groups.py), named "full" or "window<W>": pool size and blocks in use.
+    group_names: tuple[str, ...] = ()
+    group_blocks_total: tuple[int, ...] = ()
+    group_blocks_in_use: tuple[int, ...] = ()

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         region_name=KV_REGION_NAME,
         tokens_per_block=info.tokens_per_block,
         page_bytes=info.page_bytes,
+        region_pages=handle.engine.kv_pool.region_pages,
         dtype=info.dtype,
         model=info.model,
     )

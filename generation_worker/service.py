@@ -33,6 +33,7 @@ from beamsplit.v1 import worker_pb2
 from beamsplit.wire import PULLED_REASON, ServiceError
 from engine.block_allocator import OutOfBlocksError, PoolTooSmallError
 from engine.config import SamplingParams
+from engine.region_pages import RegionPages
 from engine.types import PromptReservation, RequestOutput
 from generation_worker.context_client import ContextClient
 from transfer import PullHandle, TransferAgent, TransferStatus
@@ -49,6 +50,8 @@ class LocalLayout:
     page_bytes: int
     dtype: str
     model: str
+    # How many region pages a prompt takes (KV groups: the windows' pages only); None: one a block.
+    region_pages: RegionPages | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,8 @@ class GenerationService:
                 f"{ours.page_bytes} B/page, {ours.dtype}",
             )
         expected_pages = -(-len(prompt_ids) // ours.tokens_per_block)
+        if ours.region_pages is not None:
+            expected_pages = ours.region_pages.num_prompt_units(len(prompt_ids))
         if handoff.prompt_len != len(prompt_ids) or len(handoff.page_ids) != expected_pages:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -244,8 +249,16 @@ class GenerationService:
         reservation: PromptReservation,
         stop_reason: Callable[[], ServiceError | None],
     ) -> PullResult:
-        dst_page_ids = list(reservation.missing_block_ids)
-        src_page_ids = [int(page) for page in handoff.page_ids[reservation.num_cached_blocks :]]
+        # Region pages (engine/region_pages.py): both sides list a prompt's held blocks in one
+        # order, so the reservation says which of the holder's pages it still needs.
+        if len(handoff.page_ids) != reservation.num_source_pages:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"handoff.page_ids: {len(handoff.page_ids)} pages, this worker expects "
+                f"{reservation.num_source_pages} for a prompt of {handoff.prompt_len} tokens",
+            )
+        dst_page_ids = list(reservation.region_page_ids)
+        src_page_ids = [int(handoff.page_ids[position]) for position in reservation.source_positions]
         if not dst_page_ids:
             return PullResult(0, 0, 0.0)
         self._wait_before_pull(stop_reason)

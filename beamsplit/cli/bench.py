@@ -26,6 +26,7 @@ BENCHMARKS = (
         "beamsplit (aggregated and disaggregated, HTTP) against transformers, OpenVINO GenAI and CTranslate2 "
         "on SmolLM2-135M: one request alone, 16 at once, float32 and native bfloat16, host limits, goals",
     ),
+    ("kv", "sliding-window KV: bytes one request holds and ships, window-aware vs all-full layout"),
     (
         "serve",
         "a replayed Poisson workload (beam widths 1/2/4) on a 156M random Llama: disaggregated, aggregated "
@@ -87,6 +88,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 default="",
                 help="where the checkpoint, the conversions and the peers' venv are built once "
                 "(default: bench/out/peers-cache)",
+            )
+        elif name == "kv":
+            benchmark_parser.add_argument(
+                "--quick", action="store_true", help="prompts of 64 and 1024 tokens"
+            )
+            benchmark_parser.add_argument(
+                "--model", default="gemma3-270m", help="a model with sliding windows (default: gemma3-270m)"
+            )
+            benchmark_parser.add_argument(
+                "--lengths", default="", help="prompt lengths, comma-separated (default: 1024,4096,8192)"
             )
         elif name == "soak":
             benchmark_parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs")

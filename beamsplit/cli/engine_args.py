@@ -65,6 +65,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         "invariance)",
     )
     group.add_argument(
+        "--sliding-window-kv",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one KV pool per attention kind; a sliding-window layer's pool keeps, ships and reuses "
+        "only the blocks inside its window (default: on; --no-sliding-window-kv keeps every block of "
+        "every layer, the layout before KV groups; both sides of a deployment must agree)",
+    )
+    group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
     )
     group.add_argument(
@@ -100,6 +108,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             is_sized_by_memory=max_pool_bytes is not None,
             enable_partial_reuse=args.enable_partial_reuse,
             enable_partial_commit=args.enable_partial_commit,
+            sliding_window_kv=getattr(args, "sliding_window_kv", True),
         ),
         **extra,
     )

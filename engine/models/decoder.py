@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
-from engine.kv_pool import KVPool
+from engine.kv_pool import GroupedKVPool, KVPool
 from engine.models.config import Llama3RopeScaling, ModelConfig
 from engine.models.moe import SparseMoeBlock
 from engine.models.traits import GELU_TANH, AttentionKind
@@ -170,6 +170,8 @@ class Attention(nn.Module):
         key = k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        # A sliding layer's KV group has its own block tables (engine/kv_groups.py).
+        metadata = metadata.for_window(self.sliding_window)
         write_kv(kv_layer, key, value, metadata)
         output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)  # [N, H, D]
         return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -295,7 +297,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_pool: KVPool,
+        kv_pool: KVPool | GroupedKVPool,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions [N] -> logits [B, V] of each sequence's last new token.
@@ -311,7 +313,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_pool: KVPool,
+        kv_pool: KVPool | GroupedKVPool,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions [N] -> the last layer's output [N, E], before the final norm."""

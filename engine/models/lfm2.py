@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
-from engine.kv_pool import KVPool
+from engine.kv_pool import GroupedKVPool, KVPool
 from engine.models.config import ATTENTION_LAYER, ModelConfig
 from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary
 from engine.models.short_conv import RecurrentMetadata, short_conv
@@ -149,7 +149,7 @@ class Lfm2Model(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_pool: KVPool,
+        kv_pool: KVPool | GroupedKVPool,
         metadata: AttentionMetadata,
         state_pool: StatePool | None = None,
         recurrent: RecurrentMetadata | None = None,
@@ -164,7 +164,7 @@ class Lfm2Model(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_pool: KVPool,
+        kv_pool: KVPool | GroupedKVPool,
         metadata: AttentionMetadata,
         state_pool: StatePool | None = None,
         recurrent: RecurrentMetadata | None = None,

@@ -93,9 +93,15 @@ def assert_engine_beams_equal(
     tolerance: float,
 ) -> RequestOutput:
     """The engine's beams for `prompt` equal `expected` (tokens, scores to `tolerance`, finish
-    reasons); the cache is whole and empty afterwards."""
-    output = engine.generate(prompt, params)
-    engine.check_integrity()
+    reasons); the cache is whole after every step and empty afterwards."""
+    request_id = f"beams-{engine.num_blocks_in_use()}-{len(prompt)}-{id(expected)}"
+    engine.add_request(request_id, prompt, params)
+    output = None
+    while output is None:
+        for step_output in engine.step():
+            engine.check_integrity()
+            if step_output.request_id == request_id and step_output.finished:
+                output = step_output
     assert engine.num_blocks_in_use() == 0
     assert len(output.beams) == len(expected) == params.beam_width
     for index, (beam, (tokens, score, stopped)) in enumerate(zip(output.beams, expected, strict=True)):

@@ -3,7 +3,8 @@
 Per family one deployment (context worker, generation worker, coordinator, aggregated server) on a
 tiny random checkpoint with a sliding window of 8 where the family has one (float64, block 16);
 prompts well past the window and across blocks, widths 1 and 3. Beams must equal the aggregated
-server's token for token and score for score; every pool returns to zero blocks in use.
+server's token for token and score for score; every pool returns to zero blocks in use; a
+sliding-window group ships only the pages inside its window, the same bytes for any beam width.
 Gemma 3 (sliding and full layers, a separate rotary base, soft-capping) runs in the default suite;
 the other families, which ship their pages through the same code, are marked slow.
 """
@@ -53,9 +54,22 @@ def clients(tmp_path: Path, family: str) -> Iterator[tuple[BeamsplitClient, Beam
 def test_family_beams_equal_the_aggregated_server(
     clients: tuple[BeamsplitClient, BeamsplitClient], family: str
 ) -> None:
-    for prompt_len, beam_width in ((37, 3), (20, 1)):
-        token_ids = prompt_tokens(prompt_len, seed=500 + prompt_len)
+    moved: dict[tuple[int, int, int], float] = {}
+    # (prompt length, beam width, prompt variant): the last case repeats the first prompt, whose
+    # first 2 blocks the generation worker now holds (full group: blocks 0-1; sliding group: block
+    # 1, the one the window of the query at 32 sees), so it pulls block 2 only.
+    for prompt_len, beam_width, variant in ((37, 3, 0), (37, 1, 1), (20, 1, 0), (37, 1, 0)):
+        token_ids = prompt_tokens(prompt_len, seed=500 + prompt_len + 1000 * variant)
         result, reference = run_both(clients, token_ids, beam_width=beam_width)
         assert_parity(result, reference, beam_width)
-        assert result.stats["transferred_blocks"] == -(-prompt_len // BLOCK)
+        moved[prompt_len, beam_width, variant] = result.stats["transferred_bytes"]
+        if family == DEFAULT_FAMILY:
+            # Region pages (engine/region_pages.py) of the 1-layer full group and the 2-layer sliding
+            # group: 37 tokens hold 3 full pages and, the query at 37 seeing keys 30..37, the sliding
+            # group's blocks 1 and 2 only: 3 + 2 * 2 = 7 units, not the all-full 3 * 3; with the
+            # first 32 tokens reused, block 2 of each: 1 + 2.
+            reused = result.stats["generation_reused_tokens"]
+            expected = {(37, 0): 7, (20, 0): 6, (37, 32): 3}[prompt_len, reused]
+            assert result.stats["transferred_blocks"] == expected, (prompt_len, reused)
         print(f"{family} P{prompt_len} W{beam_width}: {beam_width} beams equal, {result.stats}")
+    assert moved[37, 3, 0] == moved[37, 1, 1]  # the window's pages, whatever the beam width

@@ -1,0 +1,475 @@
+"""KV groups: one logical cache per attention kind of the model's KV layers (docs/cache.md).
+
+Plain Python (no torch). The full-attention layers are one group, each distinct sliding window
+another; a model with no window (or a cache told to ignore windows) has exactly one group and
+behaves exactly as one `KVCacheManager`. `KVGroups` holds one manager per group and makes every
+multi-group operation all-or-nothing: it checks every group first, then applies.
+
+A sequence has one `BlockTable` per group (`GroupedTable`), all with the same num_tokens. Group 0
+is the first group (the full one when the model has full layers); `GroupedTable.block_ids` is its
+table's, which is all a one-group cache ever had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+
+from engine.block_allocator import BlockAllocator, OutOfBlocksError
+from engine.config import CacheConfig
+from engine.kv_cache import HOLE, BlockTable, CopyOp, KVCacheManager, KVCacheStats, PromptAllocation
+from engine.prefix_tree import ROOT_KEY, PrefixTree, block_key
+
+BlockCounts = tuple[int, ...]  # one count per group, in group order
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers sharing one attention kind: their KV-pool layer indices and their window."""
+
+    window: int | None  # None: full attention
+    layer_indices: tuple[int, ...]  # indices into ModelConfig.kv_layer_windows
+
+
+def make_kv_groups(
+    kv_layer_windows: Sequence[int | None], is_window_aware: bool = True
+) -> tuple[KVGroup, ...]:
+    """Full layers first, then one group per window, ascending. Not window-aware (or no window):
+    one full group over every layer, the layout of a cache that keeps every block."""
+    layers = tuple(range(len(kv_layer_windows)))
+    windows = sorted({window for window in kv_layer_windows if window is not None})
+    if not is_window_aware or not windows:
+        return (KVGroup(None, layers),)
+    groups = []
+    full = tuple(index for index in layers if kv_layer_windows[index] is None)
+    if full:
+        groups.append(KVGroup(None, full))
+    for window in windows:
+        groups.append(KVGroup(window, tuple(i for i in layers if kv_layer_windows[i] == window)))
+    return tuple(groups)
+
+
+def group_cache_configs(
+    cache: CacheConfig,
+    groups: Sequence[KVGroup],
+    page_bytes: Sequence[int],
+    max_len: int,
+    max_prefill_blocks: int | None = None,
+) -> list[CacheConfig]:
+    """Each group's cache config, its num_blocks fitted to its share of the memory budget.
+
+    One group: cache.fitted_to(its page bytes), as a one-pool cache always was. Sized by a block
+    count (no max_pool_bytes): every group gets num_blocks. Sized by memory: the budget is split in
+    proportion to what one request of max_len tokens holds at its peak in each group (its blocks
+    times its page bytes), then each share is divided by the group's page bytes. A sliding group
+    holds at most ceil(W/T) + 1 blocks while decoding but, while its prompt is prefilled, the
+    blocks allocated for it: max_prefill_blocks (None: the whole prompt, as admission allocates it
+    today, so a sliding group gets as many blocks as a full one)."""
+    if len(groups) == 1:
+        return [cache.fitted_to(page_bytes[0])]
+    if cache.max_pool_bytes is None:
+        return [cache for _ in groups]
+    size = cache.tokens_per_block
+    num_blocks = -(-max_len // size)
+    prefill_blocks = num_blocks if max_prefill_blocks is None else max_prefill_blocks
+    demands = [
+        (
+            num_blocks
+            if group.window is None
+            else min(num_blocks, max(prefill_blocks, -(-group.window // size) + 1))
+        )
+        * page
+        for group, page in zip(groups, page_bytes, strict=True)
+    ]
+    total = sum(demands)
+    return [
+        replace(cache, max_pool_bytes=max(1, cache.max_pool_bytes * demand // total)).fitted_to(page)
+        for demand, page in zip(demands, page_bytes, strict=True)
+    ]
+
+
+@dataclass
+class GroupedTable:
+    """One sequence's tables, tables[g] in group g; every table holds num_tokens tokens."""
+
+    tables: list[BlockTable]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tables[0].num_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block ids (a one-group cache's whole table)."""
+        return self.tables[0].block_ids
+
+    def group_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(table.block_ids for table in self.tables)
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    block_keys: list[bytes]  # the hash chain of the lookup's whole blocks
+    num_blocks: int  # whole blocks every group can continue from
+    full_attention_tokens: int  # what the full-attention groups alone could reuse
+    window_tokens: int  # what the sliding groups alone allow
+
+
+@dataclass(frozen=True)
+class GroupedAllocation:
+    table: GroupedTable
+    num_cached_tokens: int
+    num_cached_blocks: int  # group 0's
+    copies: tuple[list[CopyOp], ...]  # per group
+    num_tokens_before_hybrid_pruning: int = 0
+    snapshot_block_id: int | None = None
+    # The diagnostic (docs/cache.md): what the full-attention layers alone could reuse, and what
+    # the sliding layers alone allow (one group: both are what the pages supported).
+    full_attention_reusable_tokens: int = 0
+    window_reusable_tokens: int = 0
+
+
+def num_group_blocks_held(tables: Iterable[GroupedTable], num_groups: int) -> BlockCounts:
+    """Distinct blocks per group held by one request's tables (shared blocks once, holes none)."""
+    held: list[set[int]] = [set() for _ in range(num_groups)]
+    for table in tables:
+        for group, group_table in enumerate(table.tables):
+            held[group].update(group_table.block_ids)
+    return tuple(len(ids - {HOLE}) for ids in held)
+
+
+def counts_text(counts: Sequence[int]) -> str:
+    """Per-group counts for a message: a bare number for one group (as before groups existed)."""
+    return str(counts[0]) if len(counts) == 1 else str(list(counts))
+
+
+def group_page_ids(table: GroupedTable) -> tuple[tuple[int, ...], ...]:
+    """Every group's block ids (HOLE where a sliding group holds nothing); () for one group."""
+    if len(table.tables) == 1:
+        return ()
+    return tuple(tuple(ids) for ids in table.group_block_ids())
+
+
+def pages_to_pull(
+    src_page_ids: Sequence[Sequence[int]], dst_page_ids: Sequence[Sequence[int]], num_cached_blocks: int
+) -> list[tuple[list[int], list[int]]]:
+    """Per group, (source pages, destination pages) a pull moves: blocks from num_cached_blocks on
+    that both sides hold. Both sides release by the same rule at the prompt's end, so their holes
+    are the same blocks; a mismatch is a protocol error."""
+    pairs = []
+    for group, (src_ids, dst_ids) in enumerate(zip(src_page_ids, dst_page_ids, strict=True)):
+        if len(src_ids) != len(dst_ids) or any(
+            (s == HOLE) != (d == HOLE) for s, d in zip(src_ids, dst_ids, strict=False)
+        ):
+            raise ValueError(f"KV group {group}: the two sides hold different blocks: {src_ids} vs {dst_ids}")
+        indices = [index for index in range(num_cached_blocks, len(src_ids)) if src_ids[index] != HOLE]
+        pairs.append(([src_ids[index] for index in indices], [dst_ids[index] for index in indices]))
+    return pairs
+
+
+class KVGroups:
+    def __init__(
+        self, configs: Sequence[CacheConfig], groups: Sequence[KVGroup], has_recurrent_state: bool = False
+    ) -> None:
+        """configs[g]: group g's cache (its num_blocks is group g's pool)."""
+        if len(configs) != len(groups) or not groups:
+            raise ValueError(f"{len(configs)} cache configs for {len(groups)} groups")
+        self.groups = tuple(groups)
+        self.managers = [
+            KVCacheManager(config, has_recurrent_state, group.window)
+            for config, group in zip(configs, groups, strict=True)
+        ]
+        self.tokens_per_block = configs[0].tokens_per_block
+        self.stats = KVCacheStats()  # the sum over groups (prompt lookups: counted once)
+
+    @classmethod
+    def of_manager(cls, manager: KVCacheManager) -> KVGroups:
+        """One group around an existing manager (a caller that built its own cache)."""
+        groups = cls([manager.config], [KVGroup(manager.sliding_window, ())], manager.has_recurrent_state)
+        groups.managers = [manager]
+        return groups
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def primary(self) -> KVCacheManager:
+        """Group 0's manager: all there is for a one-group cache."""
+        return self.managers[0]
+
+    # Compatibility with code written for one manager (a one-group cache is exactly one).
+    @property
+    def config(self) -> CacheConfig:
+        return self.primary.config
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.primary.allocator
+
+    @property
+    def tree(self) -> PrefixTree:
+        return self.primary.tree
+
+    # -- queries -----------------------------------------------------------------------------
+    def group_names(self) -> tuple[str, ...]:
+        """ "full" or "window<W>" per group (metric labels, status)."""
+        return tuple("full" if group.window is None else f"window{group.window}" for group in self.groups)
+
+    def num_blocks(self) -> BlockCounts:
+        return tuple(manager.allocator.num_blocks for manager in self.managers)
+
+    def num_free_group_blocks(self) -> BlockCounts:
+        return tuple(manager.num_free_blocks() for manager in self.managers)
+
+    def num_free_blocks(self) -> int:
+        return sum(self.num_free_group_blocks())
+
+    def num_group_blocks_in_use(self) -> BlockCounts:
+        return tuple(manager.num_blocks_in_use() for manager in self.managers)
+
+    def num_blocks_in_use(self) -> int:
+        return sum(self.num_group_blocks_in_use())
+
+    def num_group_blocks_cached(self) -> BlockCounts:
+        return tuple(manager.allocator.num_cached_blocks() for manager in self.managers)
+
+    def blocks_needed(
+        self, prompt_len: int, total_len: int, beam_width: int, is_decoding: bool = False
+    ) -> BlockCounts:
+        """Per group, the most blocks one request holds at once (docs/cache.md, admission bound).
+
+        A sliding group holds the whole prompt while it is prefilled, then at most ceil(W/T) + 1
+        blocks per beam (the previous query's window and the new token's block). is_decoding: the
+        bound from the first decode step on (the prompt phase is over)."""
+        size = self.tokens_per_block
+        counts = []
+        for manager, group in zip(self.managers, self.groups, strict=True):
+            full = manager.blocks_needed(prompt_len, total_len, beam_width)
+            if group.window is None:
+                counts.append(full)
+                continue
+            num_total = -(-max(total_len, prompt_len) // size)
+            per_beam = min(num_total, -(-group.window // size) + 1)
+            prefill = 0 if is_decoding else -(-prompt_len // size)
+            counts.append(min(full, max(prefill, beam_width * per_beam)))
+        return tuple(counts)
+
+    def fits(self, needed: BlockCounts, available: BlockCounts | None = None) -> bool:
+        """Every group has room (available: default the free and evictable blocks)."""
+        available = self.num_free_group_blocks() if available is None else available
+        return all(need <= have for need, have in zip(needed, available, strict=True))
+
+    # -- prompt ------------------------------------------------------------------------------
+    @property
+    def is_window_aware(self) -> bool:
+        return any(group.window is not None for group in self.groups)
+
+    def allocate_prompt(
+        self,
+        token_ids: list[int],
+        salt: bytes = b"",
+        allow_partial_reuse: bool | None = None,
+        prune_to_snapshots: bool | None = None,
+        reuse_prefix: bool = True,
+        first_query_position: int | None = None,
+    ) -> GroupedAllocation:
+        """Every group's blocks for a prompt, all reusing the same prefix. All-or-nothing.
+        first_query_position: KVCacheManager.allocate_window_prompt's (a pulled prompt: its length).
+
+        No window: KVCacheManager.allocate_prompt. With sliding groups, whole blocks only
+        (plan_reuse): the full groups share the reused blocks, each sliding group only those its
+        window still sees after them (HOLEs before)."""
+        if not self.is_window_aware:
+            before = [replace(self.primary.stats)]
+            allocation = self.primary.allocate_prompt(
+                token_ids, salt, allow_partial_reuse, prune_to_snapshots, reuse_prefix
+            )
+            self._add_deltas(before, count_lookups=True)
+            num_pages = allocation.num_tokens_before_hybrid_pruning
+            return GroupedAllocation(
+                GroupedTable([allocation.table]), allocation.num_cached_tokens, allocation.num_cached_blocks,
+                (allocation.copies,), num_pages, allocation.snapshot_block_id, num_pages, num_pages,
+            )  # fmt: skip
+        plan = self.plan_reuse(token_ids, salt) if reuse_prefix else ReusePlan([], 0, 0, 0)
+        num_tokens = plan.num_blocks * self.tokens_per_block
+        allocations: list[PromptAllocation] = []
+        before = [replace(manager.stats) for manager in self.managers]
+        try:
+            for manager, group in zip(self.managers, self.groups, strict=True):
+                if group.window is None:
+                    allocation = manager.allocate_prompt(
+                        token_ids, salt, False, False, reuse_prefix, num_tokens
+                    )
+                else:
+                    allocation = manager.allocate_window_prompt(
+                        token_ids, plan.block_keys, plan.num_blocks, first_query_position
+                    )
+                allocations.append(allocation)
+        except OutOfBlocksError:
+            for manager, allocation, stats in zip(self.managers, allocations, before, strict=False):
+                manager.free(allocation.table)
+                manager.stats = stats
+            raise
+        self._add_deltas(before, count_lookups=True)
+        return GroupedAllocation(
+            GroupedTable([allocation.table for allocation in allocations]), num_tokens, plan.num_blocks,
+            tuple(allocation.copies for allocation in allocations), num_tokens, None,
+            plan.full_attention_tokens, plan.window_tokens,
+        )  # fmt: skip
+
+    def plan_reuse(self, token_ids: list[int], salt: bytes = b"") -> ReusePlan:
+        """The reusable prefix of a prompt (lookup: token_ids[:-1], whole blocks) for a cache with
+        sliding groups. The hash chain gives every block's key without a tree walk:
+        - the full groups need every block before the prefix's end (their tree walk);
+        - a sliding group needs only the blocks the window of the next query sees
+          (KVCacheManager.is_window_reusable);
+        the reused prefix is the longest that both allow (not monotone: a shorter prefix's window
+        reaches blocks a longer one's does not)."""
+        size = self.tokens_per_block
+        lookup = token_ids[:-1]
+        block_keys: list[bytes] = []
+        parent_key = ROOT_KEY
+        for start in range(0, len(lookup) - size + 1, size):
+            parent_key = block_key(parent_key, lookup[start : start + size], salt)
+            block_keys.append(parent_key)
+        sliding = [manager for manager, group in zip(self.managers, self.groups, strict=True) if group.window]
+        full = [
+            manager for manager, group in zip(self.managers, self.groups, strict=True) if group.window is None
+        ]
+
+        def is_allowed(num_blocks: int) -> bool:
+            return all(manager.is_window_reusable(block_keys, num_blocks) for manager in sliding)
+
+        allowed = [num for num in range(len(block_keys) + 1) if is_allowed(num)]
+        num_window = max(allowed)
+        num_full = min(
+            (len(manager.tree.match(lookup, salt).block_ids) for manager in full), default=num_window
+        )
+        num_blocks = max(num for num in allowed if num <= num_full)
+        return ReusePlan(block_keys, num_blocks, num_full * size, num_window * size)
+
+    def commit(
+        self, table: GroupedTable, token_ids: list[int], salt: bytes = b"", snapshot_lens: Iterable[int] = ()
+    ) -> list[CopyOp]:
+        """Publish every group's held blocks; the snapshot copies are group 0's (hybrids have one)."""
+        copies = self.primary.commit(table.tables[0], token_ids, salt, snapshot_lens)
+        for manager, group_table in zip(self.managers[1:], table.tables[1:], strict=True):
+            manager.commit(group_table, token_ids, salt)
+        return copies
+
+    def prompt_snapshots(
+        self, table: GroupedTable, num_cached_tokens: int, prompt_len: int
+    ) -> list[tuple[int, int]]:
+        return self.primary.prompt_snapshots(table.tables[0], num_cached_tokens, prompt_len)
+
+    # -- beams -------------------------------------------------------------------------------
+    def reorder_beams(
+        self, tables: list[GroupedTable], parent_indices: list[int]
+    ) -> tuple[list[GroupedTable], tuple[list[CopyOp], ...]]:
+        """KVCacheManager.reorder_beams in every group with the same parents; all-or-nothing: the
+        copies each group needs are checked against its free blocks first."""
+        for parent in parent_indices:
+            if not 0 <= parent < len(tables):
+                raise IndexError(f"parent index {parent} out of range for {len(tables)} tables")
+        if self.num_groups > 1:
+            self._check_reorder_fits(tables, parent_indices)
+        before = [replace(manager.stats) for manager in self.managers]
+        per_group = [
+            manager.reorder_beams([table.tables[group] for table in tables], parent_indices)
+            for group, manager in enumerate(self.managers)
+        ]
+        self._add_deltas(before)
+        # Every group's first child of a parent inherits the parent's table: rebuild the grouping.
+        new_tables = [
+            GroupedTable([group_tables[beam] for group_tables, _ in per_group])
+            for beam in range(len(parent_indices))
+        ]
+        return new_tables, tuple(copies for _, copies in per_group)
+
+    def _check_reorder_fits(self, tables: list[GroupedTable], parent_indices: list[int]) -> None:
+        counts = {parent: parent_indices.count(parent) for parent in set(parent_indices)}
+        dropped = [index for index in range(len(tables)) if index not in counts]
+        for group, manager in enumerate(self.managers):
+            group_tables = [table.tables[group] for table in tables]
+            num_copies = sum(
+                count - 1
+                for parent, count in counts.items()
+                if group_tables[parent].num_tokens % self.tokens_per_block
+            )
+            drops: dict[int, int] = {}
+            for index in dropped:
+                for block_id in group_tables[index].block_ids:
+                    if block_id != HOLE:
+                        drops[block_id] = drops.get(block_id, 0) + 1
+            num_released = sum(
+                1 for block_id, count in drops.items() if manager.allocator.ref_count(block_id) == count
+            )
+            if num_copies > manager.num_free_blocks() + num_released:
+                raise OutOfBlocksError(f"beams need {num_copies} new blocks in KV group {group}")
+
+    # -- growth and release ------------------------------------------------------------------
+    def append_slots(self, table: GroupedTable, num_tokens: int = 1) -> None:
+        """One more slot in every group, then the blocks the new token's query no longer sees are
+        released. All-or-nothing across groups."""
+        size = self.tokens_per_block
+        new_num_tokens = table.num_tokens + num_tokens
+        needed = tuple(
+            max(0, -(-new_num_tokens // size) - len(group_table.block_ids)) for group_table in table.tables
+        )
+        if not self.fits(needed):
+            raise OutOfBlocksError(
+                f"growth needs {needed} blocks per KV group, {self.num_free_group_blocks()} free"
+            )
+        before = [replace(manager.stats) for manager in self.managers]
+        for manager, group_table in zip(self.managers, table.tables, strict=True):
+            manager.append_slots(group_table, num_tokens)
+            manager.release_out_of_window(group_table, new_num_tokens - 1)
+        self._add_deltas(before)
+
+    def release_out_of_window(self, table: GroupedTable, first_query_position: int) -> int:
+        """Every sliding group releases what no query at or after the position sees."""
+        return sum(
+            manager.release_out_of_window(group_table, first_query_position)
+            for manager, group_table in zip(self.managers, table.tables, strict=True)
+        )
+
+    def free(self, table: GroupedTable) -> None:
+        for manager, group_table in zip(self.managers, table.tables, strict=True):
+            manager.free(group_table)
+
+    def empty_table(self) -> GroupedTable:
+        return GroupedTable([BlockTable([], 0) for _ in self.managers])
+
+    # -- stats -------------------------------------------------------------------------------
+    def _add_deltas(self, before: list[KVCacheStats], count_lookups: bool = False) -> None:
+        """Fold the groups' counter changes since `before` into self.stats: blocks and copies
+        summed over groups, prompt lookups (the same in every group) from group 0 only."""
+        lookups = {"prompt_tokens", "reused_tokens", "hybrid_pruned_tokens"}
+        for item in fields(KVCacheStats):
+            name = item.name
+            if name == "peak_blocks_in_use":
+                continue
+            managers: Iterable[tuple[KVCacheManager, KVCacheStats]] = zip(self.managers, before, strict=True)
+            if name in lookups:
+                if not count_lookups:
+                    continue
+                managers = [(self.managers[0], before[0])]
+            delta = sum(getattr(manager.stats, name) - getattr(stats, name) for manager, stats in managers)
+            setattr(self.stats, name, getattr(self.stats, name) + delta)
+        self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, self.num_blocks_in_use())
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_integrity(self, live_tables: Iterable[GroupedTable] | None = None) -> None:
+        """Every group's allocator and tree; with live_tables, every group's reference counts,
+        holes only where the group's window allows, and the same num_tokens in every group."""
+        tables = None if live_tables is None else list(live_tables)
+        for group, manager in enumerate(self.managers):
+            group_tables = None if tables is None else [table.tables[group] for table in tables]
+            manager.check_integrity(group_tables)
+        for table in tables or []:
+            assert len(table.tables) == self.num_groups, (
+                f"{len(table.tables)} tables for {self.num_groups} groups"
+            )
+            counts = {group_table.num_tokens for group_table in table.tables}
+            assert len(counts) == 1, f"groups disagree on num_tokens: {counts}"

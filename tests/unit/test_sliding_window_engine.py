@@ -1,0 +1,278 @@
+"""The window-aware KV cache through LLMEngine, float64, on tiny Gemma 3 and Mistral checkpoints
+(sliding window 8, blocks 16; tests/helpers/family_checkpoints.py).
+
+- blocks held per KV group after prefill and at every decode step, pinned for known sizes;
+- the beams equal the all-full layout's exactly and transformers' (prompts up to 3x the window
+  and past it, chunked prefill, prefix reuse), check_integrity after every step;
+- disaggregated in process: only the window's pages move, per group, and the beams equal the
+  aggregated ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.kv_cache import HOLE
+from engine.kv_groups import pages_to_pull
+from engine.types import PrefillResult, PromptReservation
+from tests.helpers.family_checkpoints import SLIDING_WINDOW, load_reference, write_family_checkpoint
+from tests.helpers.hf_reference import assert_engine_beams_equal, reference_case
+
+transformers = pytest.importorskip("transformers")
+
+T = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        family: write_family_checkpoint(tmp_path_factory.mktemp(family), family, seed=3 + index)
+        for index, family in enumerate(("gemma3", "mistral"))
+    }
+
+
+@pytest.fixture(autouse=True)
+def few_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_engine(directory: Path, window_aware: bool = True, **engine_options: int) -> LLMEngine:
+    cache = CacheConfig(tokens_per_block=T, num_blocks=48, sliding_window_kv=window_aware)
+    return LLMEngine(EngineConfig(model=str(directory), dtype="float64", cache=cache, **engine_options))
+
+
+def run_recording_blocks(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list, list]:
+    """Steps one request to its end, check_integrity after every step; returns its beams and, per
+    step, (num_tokens, blocks held per group, group 1's tables or [])."""
+    engine.add_request("r", prompt, params)
+    held = []
+    while True:
+        outputs = engine.step()
+        engine.check_integrity()
+        for request in engine.scheduler.running:
+            tables = [list(table.tables[-1].block_ids) for table in request.tables]
+            held.append((request.tables[0].num_tokens, request.num_group_blocks_held(), tables))
+        for output in outputs:
+            if output.finished:
+                assert engine.num_blocks_in_use() == 0
+                return output.beams, held
+
+
+def test_gemma3_blocks_held_per_group(checkpoints: dict[str, Path]) -> None:
+    engine = make_engine(checkpoints["gemma3"])
+    # Layer 1 is full attention, layers 0 and 2 slide: two groups, the sliding pages hold 2 layers.
+    assert [(group.window, group.layer_indices) for group in engine.kv_cache.groups] == [
+        (None, (1,)),
+        (8, (0, 2)),
+    ]
+    assert engine.group_page_bytes[1] == 2 * engine.group_page_bytes[0]
+    params = SamplingParams(beam_width=3, max_new_tokens=24, ignore_eos=True)
+    beams, held = run_recording_blocks(engine, list(range(3, 43)), params)
+    # After the 40-token prefill the first query is at 40: blocks 0 and 1 (keys 0..31) are dead.
+    assert held[0] == (40, (3, 1), [[HOLE, HOLE, 2]])
+    # The three beams share the full group's 2 prompt blocks and copy its 8-token tail; the
+    # sliding group copies its tail only, the holes stay holes.
+    assert held[1] == (41, (5, 3), [[HOLE, HOLE, 2], [HOLE, HOLE, 3], [HOLE, HOLE, 4]])
+    assert [entry[0] for entry in held] == list(range(40, 63))
+    for num_tokens, (_, num_sliding), tables in held:
+        # The query at num_tokens - 1 sees keys num_tokens - 8 .. num_tokens - 1: every beam holds
+        # exactly the blocks those fall in, the rest are holes.
+        num_dead = max(0, (num_tokens - SLIDING_WINDOW) // T)
+        for table in tables:
+            assert len(table) == -(-num_tokens // T)
+            assert table[:num_dead] == [HOLE] * num_dead and HOLE not in table[num_dead:], (num_tokens, table)
+        if num_dead == len(tables[0]) - 1 and len(tables) == 3:
+            assert num_sliding == 3, num_tokens  # one private block per beam
+    full_beams, full_held = run_recording_blocks(
+        make_engine(checkpoints["gemma3"], False), list(range(3, 43)), params
+    )
+    # The all-full layout: one group of every layer, nothing released, the same beams bit for bit.
+    assert full_held[0][:2] == (40, (3,))
+    # ... whose one group holds, step by step, what the window-aware full group holds.
+    assert [(entry[0], entry[1][0]) for entry in full_held] == [(entry[0], entry[1][0]) for entry in held]
+    assert [(beam.token_ids, beam.score) for beam in beams] == [
+        (beam.token_ids, beam.score) for beam in full_beams
+    ]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_beams_match_transformers_with_chunks_and_prefix_reuse(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    """Prompts of 1x to 3x the window and past it, prefilled in chunks of at most 16 tokens, and a
+    second request reusing the first one's prefix (the sliding group's published blocks are cached
+    after their release, so they are reused too)."""
+    directory = checkpoints[family]
+    reference = load_reference(family, directory, torch.float64)
+    engine = make_engine(directory, max_num_seqs=4, max_num_batched_tokens=16)
+    generator = torch.Generator().manual_seed(11)
+    vocab_size = reference.config.vocab_size
+    base = torch.randint(3, vocab_size, (3 * SLIDING_WINDOW + 13,), generator=generator).tolist()
+    cases = [
+        (base[:SLIDING_WINDOW], 2),
+        (base[: 3 * SLIDING_WINDOW], 3),
+        (base, 4),
+        (base[:33] + [5, 6, 7], 2),
+    ]
+    reused = []
+    for prompt, width in cases:
+        params = SamplingParams(beam_width=width, max_new_tokens=12, ignore_eos=True, early_stopping=True)
+        expected, eos_token_id = reference_case(reference, prompt, params, False)
+        params = replace(params, eos_token_id=eos_token_id, ignore_eos=eos_token_id is None)
+        before = engine.kv_cache.stats.reused_tokens
+        assert_engine_beams_equal(engine, prompt, params, expected, 1e-9)
+        reused.append(engine.kv_cache.stats.reused_tokens - before)
+    # The 37-token prompt shares 32 tokens (2 full blocks) with the earlier 3x-window ones.
+    assert reused[3] == 32, reused
+
+
+def pull_pages(
+    context: LLMEngine, generation: LLMEngine, prefill: PrefillResult, reservation: PromptReservation
+) -> int:
+    """The "pull", in process, as the workers run it: the holder offers prefill.region_page_ids of
+    its transfer region, the puller reads the positions its reservation names into its own region
+    pages (engine/region_pages.py). Returns the bytes moved."""
+    src_region, dst_region = context.kv_region(), generation.kv_region()
+    assert src_region.page_bytes == dst_region.page_bytes
+    assert len(prefill.region_page_ids) == reservation.num_source_pages
+    src_ids = [prefill.region_page_ids[position] for position in reservation.source_positions]
+    assert context.kv_pool.buffer is not None and generation.kv_pool.buffer is not None
+    unit = src_region.page_bytes
+    src_pages = context.kv_pool.buffer.view(torch.uint8).view(-1, unit)  # [units, unit bytes]
+    dst_pages = generation.kv_pool.buffer.view(torch.uint8).view(-1, unit)
+    dst_pages[reservation.region_page_ids] = src_pages[src_ids]
+    # The same pages as the per-group view names them.
+    pairs = pages_to_pull(prefill.group_page_ids, reservation.group_page_ids, reservation.num_cached_blocks)
+    assert (
+        sum(len(src) * pool.page_bytes for (src, _), pool in zip(pairs, context.kv_pool.pools, strict=True))
+        == len(src_ids) * unit
+    )
+    return len(src_ids) * unit
+
+
+@pytest.mark.parametrize("beam_width", [1, 4])
+def test_disaggregated_ships_only_the_window_and_equals_aggregated(
+    checkpoints: dict[str, Path], beam_width: int
+) -> None:
+    """Gemma 3 tiny, a 40-token prompt (5x the window): the context side pins, per group, only the
+    pages inside the window at the prompt's end; the generation side reserves the same positions
+    (holes elsewhere), pulls them and decodes the aggregated beams exactly. The bytes moved do not
+    depend on W: 3 pages of the full layer and 1 page of the 2 sliding layers, 5/9 of the 3 pages
+    of 3 layers the all-full layout ships."""
+    directory = checkpoints["gemma3"]
+    prompt = list(range(5, 45))
+    params = SamplingParams(beam_width=beam_width, max_new_tokens=12, ignore_eos=True)
+    aggregated = make_engine(directory).generate(prompt, params)
+    context, generation = make_engine(directory), make_engine(directory)
+    prefill = context.prefill("r", prompt, params.num_candidates)
+    assert prefill.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 2))
+    assert context.kv_cache.num_group_blocks_in_use() == (3, 1)
+    context.check_integrity()
+    reservation = generation.reserve_prompt("r", prompt, params=params)
+    # The sliding group takes only the page the first decode query sees, never the prompt's 3.
+    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 0)) and reservation.num_cached_blocks == 0
+    assert generation.kv_cache.managers[1].stats.peak_blocks_in_use == 1
+    generation.check_integrity()
+    moved = pull_pages(context, generation, prefill, reservation)
+    full_page, sliding_page = (pool.page_bytes for pool in context.kv_pool.pools)
+    assert moved == 3 * full_page + 1 * sliding_page
+    all_full = 3 * (full_page + sliding_page)  # 3 pages of every layer: what the one-group layout ships
+    assert moved / all_full == pytest.approx((3 * 1 + 1 * 2) / (3 * 3))
+    context.release_prefill("r")
+    assert context.num_blocks_in_use() == 0
+    generation.add_prefilled_request(
+        reservation, prompt, params, prefill.candidate_ids, prefill.candidate_logprobs
+    )
+    outputs = {}
+    while generation.has_unfinished():
+        outputs |= {output.request_id: output for output in generation.step() if output.finished}
+        generation.check_integrity()
+    beams = [(beam.token_ids, beam.score) for beam in outputs["r"].beams]
+    assert beams == [(beam.token_ids, beam.score) for beam in aggregated.beams]
+    assert generation.num_blocks_in_use() == 0
+
+
+def test_a_reused_prefix_is_not_pulled_again(checkpoints: dict[str, Path]) -> None:
+    """A generation engine that already holds the first 32 tokens (its own earlier request) pulls
+    only the blocks after them, in each group the ones its window still needs."""
+    directory = checkpoints["gemma3"]
+    generation = make_engine(directory)
+    first = list(range(5, 41))
+    generation.generate(first, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    prompt = first[:32] + list(range(60, 80))  # 52 tokens: blocks 0..3, first query at 52
+    reservation = generation.reserve_prompt("r", prompt, params=SamplingParams(max_new_tokens=4))
+    assert reservation.num_cached_blocks == 2
+    assert [len(ids) for ids in reservation.group_page_ids] == [4, 4]
+    # The query at 52 sees keys 45..52: the sliding group holds blocks 2 and 3 only.
+    assert reservation.group_page_ids[1][:2] == (HOLE, HOLE) and HOLE not in reservation.group_page_ids[1][2:]
+    src = ((0, 1, 2, 3), (HOLE, HOLE, 2, 3))
+    pairs = pages_to_pull(src, reservation.group_page_ids, reservation.num_cached_blocks)
+    assert [len(src_ids) for src_ids, _ in pairs] == [2, 2]
+    generation.cancel_reservation("r")
+    generation.check_integrity()
+    assert generation.num_blocks_in_use() == 0
+
+
+def serve_disaggregated(
+    context: LLMEngine, generation: LLMEngine, request_id: str, prompt: list[int]
+) -> None:
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    prefill = context.prefill(request_id, prompt, params.num_candidates)
+    reservation = generation.reserve_prompt(request_id, prompt, params=params)
+    pull_pages(context, generation, prefill, reservation)
+    context.release_prefill(request_id)
+    generation.add_prefilled_request(
+        reservation, prompt, params, prefill.candidate_ids, prefill.candidate_logprobs
+    )
+    while generation.has_unfinished():
+        generation.step()
+        generation.check_integrity()
+
+
+def test_reuse_needs_only_the_window_and_reports_what_full_layers_could_reuse(
+    checkpoints: dict[str, Path],
+) -> None:
+    """A generation engine that received a 48-token prompt holds its 3 full-group blocks and, in
+    the sliding group, block 2 only (the query at 48 sees keys 41..48): blocks 0 and 1 were never
+    pulled there, so they are not in its sliding tree."""
+    directory = checkpoints["gemma3"]
+    context, generation = make_engine(directory), make_engine(directory)
+    first = list(range(3, 51))  # 48 tokens, 3 whole blocks
+    serve_disaggregated(context, generation, "first", first)
+    # The same 48 tokens and more: 3 blocks, the window of the query at 48 needs block 2 only, which
+    # the sliding group holds: all 48 reused though its blocks 0 and 1 are gone (the two agree).
+    longer = first + list(range(60, 68))
+    plan = generation.kv_cache.plan_reuse(longer)
+    assert (plan.num_blocks, plan.full_attention_tokens, plan.window_tokens) == (3, 48, 48)
+    # A prompt sharing 40 tokens: the full group could reuse blocks 0 and 1 (32 tokens), but the
+    # window of the query at 32 needs block 1 (and at 16 block 0), which the sliding group lacks.
+    diverging = first[:40] + list(range(70, 80))
+    plan = generation.kv_cache.plan_reuse(diverging)
+    assert (plan.num_blocks, plan.full_attention_tokens, plan.window_tokens) == (0, 32, 0)
+    pruned_before = generation.counters().window_pruned_tokens
+    outputs = {}
+    for request_id, prompt in (("longer", longer), ("diverging", diverging)):
+        generation.add_request(request_id, prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        while generation.has_unfinished():
+            outputs |= {output.request_id: output for output in generation.step() if output.finished}
+            generation.check_integrity()
+    stats = {request_id: outputs[request_id].stats for request_id in outputs}
+    assert (stats["longer"]["reused_tokens"], stats["longer"]["full_attention_reusable_tokens"]) == (48, 48)
+    assert stats["longer"]["window_reusable_tokens"] == 48
+    assert (stats["diverging"]["reused_tokens"], stats["diverging"]["full_attention_reusable_tokens"]) == (
+        0,
+        32,
+    )
+    assert stats["diverging"]["window_reusable_tokens"] == 0
+    assert generation.counters().window_pruned_tokens - pruned_before == 32
+    counters = generation.counters()
+    assert counters.group_names == ("full", "window8") and counters.group_blocks_in_use == (0, 0)
