@@ -143,6 +143,8 @@ def measure_held(
                 for output in engine.step():
                     if output.request_id != request_id:
                         continue
+                    if output.error:
+                        raise RuntimeError(f"{layout}, {prompt_len} tokens: {output.error}")
                     if after_prefill is None and (output.new_token_ids or output.finished):
                         after_prefill = _held_bytes(engine)
                     if output.finished:
