@@ -79,14 +79,14 @@ class GenerationSide:
         stats_before = replace(cache.stats)
         # Pulled pages overwrite whole blocks: copying a partly matched block would be wasted.
         # The prompt's final recurrent state comes with the pages: only the pages limit reuse here.
+        # A sliding group takes only the pages the first decode query (at the prompt's end) sees.
         allocation = cache.allocate_prompt(
-            prompt_ids, salt, allow_partial_reuse=False, prune_to_snapshots=False
-        )
+            prompt_ids, salt, allow_partial_reuse=False, prune_to_snapshots=False,
+            first_query_position=len(prompt_ids),
+        )  # fmt: skip
         self.kv_pool.copy_blocks(allocation.copies)
         new_blocks = cache.stats.new_blocks - stats_before.new_blocks
         table = allocation.table
-        # A sliding group needs only the pages the first decode query sees: no hole is pulled.
-        cache.release_out_of_window(table, len(prompt_ids))
         if params is not None:
             # Reservations still pulling grow once they join the batch: their bounds count too.
             reserved = [
@@ -114,7 +114,11 @@ class GenerationSide:
                 self.kv_cache.stats = stats_before
                 raise
         self._reservations[request_id] = Reservation(
-            table, list(prompt_ids), salt, new_blocks, slot_ids, bound if params is not None else ()
+            table, list(prompt_ids), salt, new_blocks, slot_ids, bound if params is not None else (),
+            allocation.full_attention_reusable_tokens, allocation.window_reusable_tokens,
+        )  # fmt: skip
+        cache.stats.window_pruned_tokens += (
+            allocation.full_attention_reusable_tokens - allocation.num_cached_tokens
         )
         region_pages = self.kv_pool.region_pages
         positions, destinations = region_pages.pull_plan(
@@ -175,6 +179,8 @@ class GenerationSide:
         request.tables = [held.table]
         request.reused_tokens = reservation.num_cached_blocks * self.cache_config.tokens_per_block
         request.num_tokens_before_hybrid_pruning = request.reused_tokens
+        request.full_attention_reusable_tokens = held.full_attention_reusable_tokens
+        request.window_reusable_tokens = held.window_reusable_tokens
         request.new_blocks = held.new_blocks
         request.times.admitted = time.monotonic()
         snapshot_lens: list[int] = []

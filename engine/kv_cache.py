@@ -83,6 +83,9 @@ class KVCacheStats:
     beam_copied_blocks: int = 0  # of those, partial tail blocks copied for a forked beam
     peak_blocks_in_use: int = 0  # most blocks referenced at once since construction
     hybrid_pruned_tokens: int = 0  # tokens the pages held but no snapshot did (hybrid models)
+    # KV groups (engine/kv_groups.py, counted there): tokens the full-attention layers could have
+    # reused but a sliding group's window did not hold.
+    window_pruned_tokens: int = 0
 
 
 def num_distinct_blocks(tables: Iterable[BlockTable]) -> int:
@@ -194,6 +197,52 @@ class KVCacheManager:
             copies,
             num_before_pruning,
             snapshot_block_id,
+        )
+
+    def is_window_reusable(self, block_keys: list[bytes], num_blocks: int) -> bool:
+        """Sliding group: the tree holds each of the first num_blocks blocks (keys: the prompt's
+        hash chain) that the first query after them, at num_blocks * T, still sees."""
+        first = self.num_out_of_window_blocks(num_blocks * self.tokens_per_block)
+        return all(self.tree.node(key) is not None for key in block_keys[first:num_blocks])
+
+    def allocate_window_prompt(
+        self,
+        token_ids: list[int],
+        block_keys: list[bytes],
+        num_reused_blocks: int,
+        first_query_position: int | None = None,
+    ) -> PromptAllocation:
+        """Sliding group: a prompt reusing its first num_reused_blocks blocks, of which only those
+        inside the window of the first query are looked up (is_window_reusable must hold); the
+        ones before are HOLEs from the start. first_query_position: default the end of the reused
+        prefix (a prefill resumes there); a prompt whose KV arrives whole (a pulled one) passes its
+        length, so no block outside the first decode query's window is ever taken. All-or-nothing.
+
+            block   0 ...... dead-1 | dead ... k-1 | k ........
+                    HOLE            | shared       | fresh
+        """
+        size = self.tokens_per_block
+        num_blocks = -(-len(token_ids) // size)
+        query = num_reused_blocks * size if first_query_position is None else first_query_position
+        dead = min(self.num_out_of_window_blocks(query), num_blocks - 1)
+        nodes = [self.tree.node(key) for key in block_keys[dead:num_reused_blocks]]
+        shared_ids = [node.block_id for node in nodes if node is not None]
+        if len(shared_ids) != max(0, num_reused_blocks - dead):
+            raise ValueError(f"blocks {dead}..{num_reused_blocks - 1} are not all in the tree")
+        num_fresh = num_blocks - max(dead, num_reused_blocks)
+        num_held_evictable = sum(1 for block_id in shared_ids if self.allocator.ref_count(block_id) == 0)
+        num_available = self.allocator.num_free_blocks() - num_held_evictable
+        if num_fresh > num_available:
+            raise OutOfBlocksError(f"prompt needs {num_fresh} new blocks, {num_available} available")
+        for block_id in shared_ids:
+            self.allocator.incref(block_id)
+        table = BlockTable([HOLE] * dead + shared_ids + self.allocator.allocate(num_fresh), len(token_ids))
+        self.stats.prompt_tokens += len(token_ids)
+        self.stats.reused_tokens += num_reused_blocks * size
+        self.stats.new_blocks += num_fresh
+        self._track_peak()
+        return PromptAllocation(
+            table, num_reused_blocks * size, num_reused_blocks, [], num_reused_blocks * size
         )
 
     def prompt_snapshots(

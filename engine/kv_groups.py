@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 from engine.block_allocator import BlockAllocator, OutOfBlocksError
 from engine.config import CacheConfig
 from engine.kv_cache import HOLE, BlockTable, CopyOp, KVCacheManager, KVCacheStats, PromptAllocation
-from engine.prefix_tree import PrefixTree
+from engine.prefix_tree import ROOT_KEY, PrefixTree, block_key
 
 BlockCounts = tuple[int, ...]  # one count per group, in group order
 
@@ -50,22 +50,35 @@ def make_kv_groups(
 
 
 def group_cache_configs(
-    cache: CacheConfig, groups: Sequence[KVGroup], page_bytes: Sequence[int], max_len: int
+    cache: CacheConfig,
+    groups: Sequence[KVGroup],
+    page_bytes: Sequence[int],
+    max_len: int,
+    max_prefill_blocks: int | None = None,
 ) -> list[CacheConfig]:
     """Each group's cache config, its num_blocks fitted to its share of the memory budget.
 
     One group: cache.fitted_to(its page bytes), as a one-pool cache always was. Sized by a block
     count (no max_pool_bytes): every group gets num_blocks. Sized by memory: the budget is split in
-    proportion to what one request of max_len tokens holds in each group (its blocks times its page
-    bytes), then each share is divided by the group's page bytes."""
+    proportion to what one request of max_len tokens holds at its peak in each group (its blocks
+    times its page bytes), then each share is divided by the group's page bytes. A sliding group
+    holds at most ceil(W/T) + 1 blocks while decoding but, while its prompt is prefilled, the
+    blocks allocated for it: max_prefill_blocks (None: the whole prompt, as admission allocates it
+    today, so a sliding group gets as many blocks as a full one)."""
     if len(groups) == 1:
         return [cache.fitted_to(page_bytes[0])]
     if cache.max_pool_bytes is None:
         return [cache for _ in groups]
     size = cache.tokens_per_block
     num_blocks = -(-max_len // size)
+    prefill_blocks = num_blocks if max_prefill_blocks is None else max_prefill_blocks
     demands = [
-        (num_blocks if group.window is None else min(num_blocks, -(-group.window // size) + 1)) * page
+        (
+            num_blocks
+            if group.window is None
+            else min(num_blocks, max(prefill_blocks, -(-group.window // size) + 1))
+        )
+        * page
         for group, page in zip(groups, page_bytes, strict=True)
     ]
     total = sum(demands)
@@ -95,6 +108,14 @@ class GroupedTable:
 
 
 @dataclass(frozen=True)
+class ReusePlan:
+    block_keys: list[bytes]  # the hash chain of the lookup's whole blocks
+    num_blocks: int  # whole blocks every group can continue from
+    full_attention_tokens: int  # what the full-attention groups alone could reuse
+    window_tokens: int  # what the sliding groups alone allow
+
+
+@dataclass(frozen=True)
 class GroupedAllocation:
     table: GroupedTable
     num_cached_tokens: int
@@ -102,6 +123,10 @@ class GroupedAllocation:
     copies: tuple[list[CopyOp], ...]  # per group
     num_tokens_before_hybrid_pruning: int = 0
     snapshot_block_id: int | None = None
+    # The diagnostic (docs/cache.md): what the full-attention layers alone could reuse, and what
+    # the sliding layers alone allow (one group: both are what the pages supported).
+    full_attention_reusable_tokens: int = 0
+    window_reusable_tokens: int = 0
 
 
 def num_group_blocks_held(tables: Iterable[GroupedTable], num_groups: int) -> BlockCounts:
@@ -187,6 +212,10 @@ class KVGroups:
         return self.primary.tree
 
     # -- queries -----------------------------------------------------------------------------
+    def group_names(self) -> tuple[str, ...]:
+        """ "full" or "window<W>" per group (metric labels, status)."""
+        return tuple("full" if group.window is None else f"window{group.window}" for group in self.groups)
+
     def num_blocks(self) -> BlockCounts:
         return tuple(manager.allocator.num_blocks for manager in self.managers)
 
@@ -232,6 +261,10 @@ class KVGroups:
         return all(need <= have for need, have in zip(needed, available, strict=True))
 
     # -- prompt ------------------------------------------------------------------------------
+    @property
+    def is_window_aware(self) -> bool:
+        return any(group.window is not None for group in self.groups)
+
     def allocate_prompt(
         self,
         token_ids: list[int],
@@ -239,44 +272,82 @@ class KVGroups:
         allow_partial_reuse: bool | None = None,
         prune_to_snapshots: bool | None = None,
         reuse_prefix: bool = True,
+        first_query_position: int | None = None,
     ) -> GroupedAllocation:
-        """Every group's blocks for a prompt; all groups reuse the same number of tokens (the
-        shortest of their matches). All-or-nothing across groups."""
-        max_reused: int | None = None
-        if self.num_groups > 1 and reuse_prefix:
-            partial = (
-                self.primary.config.enable_partial_reuse
-                if allow_partial_reuse is None
-                else allow_partial_reuse
+        """Every group's blocks for a prompt, all reusing the same prefix. All-or-nothing.
+        first_query_position: KVCacheManager.allocate_window_prompt's (a pulled prompt: its length).
+
+        No window: KVCacheManager.allocate_prompt. With sliding groups, whole blocks only
+        (plan_reuse): the full groups share the reused blocks, each sliding group only those its
+        window still sees after them (HOLEs before)."""
+        if not self.is_window_aware:
+            before = [replace(self.primary.stats)]
+            allocation = self.primary.allocate_prompt(
+                token_ids, salt, allow_partial_reuse, prune_to_snapshots, reuse_prefix
             )
-            max_reused = min(
-                manager.tree.match(token_ids[:-1], salt, partial).num_matched_tokens
-                for manager in self.managers
-            )
+            self._add_deltas(before, count_lookups=True)
+            num_pages = allocation.num_tokens_before_hybrid_pruning
+            return GroupedAllocation(
+                GroupedTable([allocation.table]), allocation.num_cached_tokens, allocation.num_cached_blocks,
+                (allocation.copies,), num_pages, allocation.snapshot_block_id, num_pages, num_pages,
+            )  # fmt: skip
+        plan = self.plan_reuse(token_ids, salt) if reuse_prefix else ReusePlan([], 0, 0, 0)
+        num_tokens = plan.num_blocks * self.tokens_per_block
         allocations: list[PromptAllocation] = []
         before = [replace(manager.stats) for manager in self.managers]
         try:
-            for manager in self.managers:
-                allocations.append(
-                    manager.allocate_prompt(
-                        token_ids, salt, allow_partial_reuse, prune_to_snapshots, reuse_prefix, max_reused
+            for manager, group in zip(self.managers, self.groups, strict=True):
+                if group.window is None:
+                    allocation = manager.allocate_prompt(
+                        token_ids, salt, False, False, reuse_prefix, num_tokens
                     )
-                )
+                else:
+                    allocation = manager.allocate_window_prompt(
+                        token_ids, plan.block_keys, plan.num_blocks, first_query_position
+                    )
+                allocations.append(allocation)
         except OutOfBlocksError:
             for manager, allocation, stats in zip(self.managers, allocations, before, strict=False):
                 manager.free(allocation.table)
                 manager.stats = stats
             raise
         self._add_deltas(before, count_lookups=True)
-        first = allocations[0]
         return GroupedAllocation(
-            GroupedTable([allocation.table for allocation in allocations]),
-            first.num_cached_tokens,
-            first.num_cached_blocks,
-            tuple(allocation.copies for allocation in allocations),
-            first.num_tokens_before_hybrid_pruning,
-            first.snapshot_block_id,
+            GroupedTable([allocation.table for allocation in allocations]), num_tokens, plan.num_blocks,
+            tuple(allocation.copies for allocation in allocations), num_tokens, None,
+            plan.full_attention_tokens, plan.window_tokens,
+        )  # fmt: skip
+
+    def plan_reuse(self, token_ids: list[int], salt: bytes = b"") -> ReusePlan:
+        """The reusable prefix of a prompt (lookup: token_ids[:-1], whole blocks) for a cache with
+        sliding groups. The hash chain gives every block's key without a tree walk:
+        - the full groups need every block before the prefix's end (their tree walk);
+        - a sliding group needs only the blocks the window of the next query sees
+          (KVCacheManager.is_window_reusable);
+        the reused prefix is the longest that both allow (not monotone: a shorter prefix's window
+        reaches blocks a longer one's does not)."""
+        size = self.tokens_per_block
+        lookup = token_ids[:-1]
+        block_keys: list[bytes] = []
+        parent_key = ROOT_KEY
+        for start in range(0, len(lookup) - size + 1, size):
+            parent_key = block_key(parent_key, lookup[start : start + size], salt)
+            block_keys.append(parent_key)
+        sliding = [manager for manager, group in zip(self.managers, self.groups, strict=True) if group.window]
+        full = [
+            manager for manager, group in zip(self.managers, self.groups, strict=True) if group.window is None
+        ]
+
+        def is_allowed(num_blocks: int) -> bool:
+            return all(manager.is_window_reusable(block_keys, num_blocks) for manager in sliding)
+
+        allowed = [num for num in range(len(block_keys) + 1) if is_allowed(num)]
+        num_window = max(allowed)
+        num_full = min(
+            (len(manager.tree.match(lookup, salt).block_ids) for manager in full), default=num_window
         )
+        num_blocks = max(num for num in allowed if num <= num_full)
+        return ReusePlan(block_keys, num_blocks, num_full * size, num_window * size)
 
     def commit(
         self, table: GroupedTable, token_ids: list[int], salt: bytes = b"", snapshot_lens: Iterable[int] = ()

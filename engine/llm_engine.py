@@ -225,6 +225,10 @@ class LLMEngine(ContextSide, GenerationSide):
             beam_tail_copies=stats.beam_copied_blocks,
             partial_reuse_copies=stats.copied_blocks - stats.beam_copied_blocks,
             hybrid_pruned_tokens=stats.hybrid_pruned_tokens,
+            window_pruned_tokens=stats.window_pruned_tokens,
+            group_names=self.kv_cache.group_names(),
+            group_blocks_total=self.kv_cache.num_blocks(),
+            group_blocks_in_use=self.kv_cache.num_group_blocks_in_use(),
         )
 
     def check_integrity(self) -> None:

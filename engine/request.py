@@ -103,6 +103,10 @@ class Request:
     # What the attention pages alone supported (> reused_tokens when a hybrid model's snapshots
     # cut the match); equals reused_tokens for a model without recurrent layers.
     num_tokens_before_hybrid_pruning: int = 0
+    # Sliding windows (docs/cache.md): what the full-attention layers alone could reuse, and what
+    # the sliding layers alone allow; reused_tokens is what all groups could continue from.
+    full_attention_reusable_tokens: int = 0
+    window_reusable_tokens: int = 0
     # Hybrid models: one recurrent-state slot per beam, slot i for running beam i.
     state_slot_ids: list[int] = field(default_factory=list)
     new_blocks: int = 0
@@ -203,6 +207,8 @@ class Request:
             "prompt_tokens": self.prompt_len,
             "reused_tokens": self.reused_tokens,
             "num_tokens_before_hybrid_pruning": self.num_tokens_before_hybrid_pruning,
+            "full_attention_reusable_tokens": self.full_attention_reusable_tokens,
+            "window_reusable_tokens": self.window_reusable_tokens,
             "new_blocks": self.new_blocks,
             "copied_blocks": self.copied_blocks,
             "peak_blocks": self.peak_blocks,
@@ -228,6 +234,8 @@ class Reservation:
     state_slot_ids: list[int]  # hybrid, with params: the request's W slots, taken up front
     # with params: the request's block bound per KV group, promised while its pull runs
     bound_blocks: BlockCounts = ()
+    full_attention_reusable_tokens: int = 0  # the diagnostic of its allocation (Request's fields)
+    window_reusable_tokens: int = 0
 
     def remaining_blocks(self) -> BlockCounts:
         if not self.bound_blocks:

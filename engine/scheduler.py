@@ -338,6 +338,12 @@ class Scheduler:
             request.state_slot_ids = self.state_pool.allocate_slots(request.num_beams)
             self.state_pool.reset(request.state_slot_ids[0], allocation.snapshot_block_id)
         request.num_tokens_before_hybrid_pruning = allocation.num_tokens_before_hybrid_pruning
+        request.full_attention_reusable_tokens = allocation.full_attention_reusable_tokens
+        request.window_reusable_tokens = allocation.window_reusable_tokens
+        # Counted once admitted (a refused allocation is retried and must not count twice).
+        self.kv_cache.stats.window_pruned_tokens += (
+            allocation.full_attention_reusable_tokens - allocation.num_cached_tokens
+        )
         request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
         request.reused_tokens = allocation.num_cached_tokens

@@ -107,3 +107,9 @@ class EngineCounters:
     beam_tail_copies: int  # partial last blocks copied for a forked beam
     partial_reuse_copies: int  # partly reused blocks copied before being written
     hybrid_pruned_tokens: int = 0  # prompt tokens the pages held but no state snapshot reached
+    # prompt tokens the full-attention layers held but a sliding layer's window did not
+    window_pruned_tokens: int = 0
+    # Per KV group (engine/kv_groups.py), named "full" or "window<W>": pool size and blocks in use.
+    group_names: tuple[str, ...] = ()
+    group_blocks_total: tuple[int, ...] = ()
+    group_blocks_in_use: tuple[int, ...] = ()

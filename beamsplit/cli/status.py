@@ -93,6 +93,17 @@ def format_status(target: str, status: coordinator_pb2.StatusResponse) -> str:
     lines.extend(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     )
+    groups = [
+        f"  {worker.address}: "
+        + ", ".join(
+            f"{group.name} {group.num_blocks_in_use}/{group.num_blocks_total}"
+            for group in worker.load.kv_groups
+        )
+        for worker in status.workers
+        if len(worker.load.kv_groups) > 1
+    ]
+    if groups:
+        lines.extend(["", "KV blocks in use/total per group (one pool per attention kind):", *groups])
     details = [f"  {worker.address}: {worker.detail}" for worker in status.workers if worker.detail]
     if details:
         lines.extend(["", "unhealthy:", *details])

@@ -45,6 +45,8 @@ class MetricsSnapshot:
     transfers_in_flight: int = 0
     lease_expiries: int = 0
     requests: dict[str, int] = field(default_factory=dict)
+    # Per KV group: (name, blocks in use, blocks total)
+    kv_groups: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class ServerMetrics:
@@ -132,6 +134,22 @@ class ServerMetrics:
             ["side"],
             registry=registry,
         )
+        self.prefix_window_pruned_tokens = Counter(
+            "beamsplit_prefix_window_pruned_tokens",
+            "prompt tokens the full-attention layers' pages held but a sliding-window layer's pages "
+            "did not (reuse cut to what every KV group can continue from), by side",
+            ["side"],
+            registry=registry,
+        )
+        self.kv_group_blocks_total = Gauge(
+            "beamsplit_kv_group_blocks_total",
+            "KV pool blocks per KV group (full, or window<W>: one pool per attention kind)",
+            ["group"],
+            registry=registry,
+        )
+        self.kv_group_blocks_in_use = Gauge(
+            "beamsplit_kv_group_blocks_in_use", "KV blocks in use per KV group", ["group"], registry=registry
+        )
         self.prefix_hybrid_pruned_tokens = Counter(
             "beamsplit_prefix_hybrid_pruned_tokens",
             "prompt tokens the prefix tree's pages held but no recurrent-state snapshot reached "
@@ -176,6 +194,7 @@ class ServerMetrics:
         self.prefix_prompt_tokens.labels(side=role)
         self.prefix_reused_tokens.labels(side=role)
         self.prefix_hybrid_pruned_tokens.labels(side=role)
+        self.prefix_window_pruned_tokens.labels(side=role)
         for reason in COPY_REASONS:
             self.block_copies.labels(reason=reason)
         for reason in TRANSFER_FAILURE_REASONS:
@@ -210,6 +229,17 @@ class ServerMetrics:
         self.prefix_prompt_tokens.labels(side=self.role).inc(grown("prompt_tokens"))
         self.prefix_reused_tokens.labels(side=self.role).inc(grown("reused_tokens"))
         self.prefix_hybrid_pruned_tokens.labels(side=self.role).inc(grown("hybrid_pruned_tokens"))
+        if hasattr(counters, "window_pruned_tokens"):
+            self.prefix_window_pruned_tokens.labels(side=self.role).inc(grown("window_pruned_tokens"))
+        groups = (
+            getattr(counters, name, ())
+            for name in ("group_names", "group_blocks_total", "group_blocks_in_use")
+        )
+        kv_groups = []
+        for name, total, in_use in zip(*groups, strict=True):
+            self.kv_group_blocks_total.labels(group=name).set(total)
+            self.kv_group_blocks_in_use.labels(group=name).set(in_use)
+            kv_groups.append((name, in_use, total))
         self.block_copies.labels(reason="beam_tail").inc(grown("beam_tail_copies"))
         self.block_copies.labels(reason="partial_reuse").inc(grown("partial_reuse_copies"))
         with self._lock:
@@ -221,6 +251,7 @@ class ServerMetrics:
             snapshot.prompt_tokens = counters.prompt_tokens
             snapshot.reused_tokens = counters.reused_tokens
             snapshot.beam_tail_copies = counters.beam_tail_copies
+            snapshot.kv_groups = kv_groups
 
     def set_queued_requests(self, count: int) -> None:
         self.queued_requests.set(count)

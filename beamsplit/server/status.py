@@ -27,6 +27,10 @@ def worker_load(metrics: ServerMetrics, num_requests: int) -> common_pb2.WorkerL
         requests_failed=_num_failed(snapshot),
         requests_refused=_num_refused(snapshot),
         requests_cancelled=_num_cancelled(snapshot),
+        kv_groups=[
+            common_pb2.KVGroupLoad(name=name, num_blocks_in_use=in_use, num_blocks_total=total)
+            for name, in_use, total in snapshot.kv_groups
+        ],
     )
 
 

@@ -148,7 +148,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_requests", "num_blocks_in_use", "num_blocks_total", "num_blocks_cached", "num_waiting_requests", "prompt_tokens", "reused_tokens", "transfer_blocks", "transfer_bytes", "transfer_failures", "transfers_in_flight", "lease_expiries", "beam_tail_copies", "requests_ok", "requests_failed", "requests_refused", "requests_cancelled")
+    __slots__ = ("num_requests", "num_blocks_in_use", "num_blocks_total", "num_blocks_cached", "num_waiting_requests", "prompt_tokens", "reused_tokens", "transfer_blocks", "transfer_bytes", "transfer_failures", "transfers_in_flight", "lease_expiries", "beam_tail_copies", "requests_ok", "requests_failed", "requests_refused", "requests_cancelled", "kv_groups")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class WorkerLoad(_message.Message):
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     num_blocks_in_use: int
     num_blocks_total: int
@@ -183,7 +184,18 @@ class WorkerLoad(_message.Message):
     requests_failed: int
     requests_refused: int
     requests_cancelled: int
-    def __init__(self, num_requests: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., transfer_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., beam_tail_copies: _Optional[int] = ..., requests_ok: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_refused: _Optional[int] = ..., requests_cancelled: _Optional[int] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupLoad]
+    def __init__(self, num_requests: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., transfer_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., beam_tail_copies: _Optional[int] = ..., requests_ok: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_refused: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupLoad, _Mapping]]] = ...) -> None: ...
+
+class KVGroupLoad(_message.Message):
+    __slots__ = ("name", "num_blocks_in_use", "num_blocks_total")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_blocks_in_use: int
+    num_blocks_total: int
+    def __init__(self, name: _Optional[str] = ..., num_blocks_in_use: _Optional[int] = ..., num_blocks_total: _Optional[int] = ...) -> None: ...
 
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()

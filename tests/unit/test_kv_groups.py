@@ -133,11 +133,30 @@ def test_group_bounds_and_all_or_nothing_growth() -> None:
 def test_memory_budget_splits_by_a_full_length_request() -> None:
     groups = (KVGroup(None, (1,)), KVGroup(WINDOW, (0, 2)))
     cache = CacheConfig(T, 2048, max_pool_bytes=1_000_000, is_sized_by_memory=True)
-    # max_len 512: the full group needs 32 blocks of 1000 bytes, the sliding one 2 of 2000.
+    # max_len 512: 32 blocks. A prompt is allocated whole while it is prefilled, so the sliding
+    # group needs 32 blocks of 2000 bytes too: the budget splits 1:2, as many blocks each.
     full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512)
+    assert full.num_blocks == 1_000_000 * 32_000 // 96_000 // 1000 == 333
+    assert sliding.num_blocks == 1_000_000 * 64_000 // 96_000 // 2000 == 333
+    # A sliding group that never holds more than its window (ceil(8/16) + 1 = 2 blocks) while
+    # prefilling: 32 blocks of 1000 against 2 of 2000.
+    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, max_prefill_blocks=0)
     assert full.num_blocks == 1_000_000 * 32_000 // 36_000 // 1000 == 888
     assert sliding.num_blocks == 1_000_000 * 4_000 // 36_000 // 2000 == 55
     by_count = group_cache_configs(CacheConfig(T, 64), groups, [1000, 2000], 512)
     assert [config.num_blocks for config in by_count] == [64, 64]
     (one,) = group_cache_configs(cache, groups[:1], [1000], 512)
     assert one.num_blocks == 1000
+
+
+def test_one_full_group_reports_the_same_figure_twice() -> None:
+    cache = KVGroups([CacheConfig(T, 8)], (KVGroup(None, (0, 1)),))
+    prompt = tokens(0, 40)
+    first = cache.allocate_prompt(prompt)
+    cache.commit(first.table, prompt)
+    second = cache.allocate_prompt(prompt[:33] + [99])
+    assert second.num_cached_tokens == 32
+    assert second.full_attention_reusable_tokens == second.window_reusable_tokens == 32
+    cache.free(first.table)
+    cache.free(second.table)
+    cache.check_integrity([])

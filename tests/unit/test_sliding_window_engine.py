@@ -178,7 +178,9 @@ def test_disaggregated_ships_only_the_window_and_equals_aggregated(
     assert context.kv_cache.num_group_blocks_in_use() == (3, 1)
     context.check_integrity()
     reservation = generation.reserve_prompt("r", prompt, params=params)
-    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 2)) and reservation.num_cached_blocks == 0
+    # The sliding group takes only the page the first decode query sees, never the prompt's 3.
+    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 0)) and reservation.num_cached_blocks == 0
+    assert generation.kv_cache.managers[1].stats.peak_blocks_in_use == 1
     generation.check_integrity()
     moved = pull_pages(context, generation, prefill, reservation)
     full_page, sliding_page = (pool.page_bytes for pool in context.kv_pool.pools)
@@ -218,3 +220,59 @@ def test_a_reused_prefix_is_not_pulled_again(checkpoints: dict[str, Path]) -> No
     generation.cancel_reservation("r")
     generation.check_integrity()
     assert generation.num_blocks_in_use() == 0
+
+
+def serve_disaggregated(
+    context: LLMEngine, generation: LLMEngine, request_id: str, prompt: list[int]
+) -> None:
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    prefill = context.prefill(request_id, prompt, params.num_candidates)
+    reservation = generation.reserve_prompt(request_id, prompt, params=params)
+    pull_pages(context, generation, prefill, reservation)
+    context.release_prefill(request_id)
+    generation.add_prefilled_request(
+        reservation, prompt, params, prefill.candidate_ids, prefill.candidate_logprobs
+    )
+    while generation.has_unfinished():
+        generation.step()
+        generation.check_integrity()
+
+
+def test_reuse_needs_only_the_window_and_reports_what_full_layers_could_reuse(
+    checkpoints: dict[str, Path],
+) -> None:
+    """A generation engine that received a 48-token prompt holds its 3 full-group blocks and, in
+    the sliding group, block 2 only (the query at 48 sees keys 41..48): blocks 0 and 1 were never
+    pulled there, so they are not in its sliding tree."""
+    directory = checkpoints["gemma3"]
+    context, generation = make_engine(directory), make_engine(directory)
+    first = list(range(3, 51))  # 48 tokens, 3 whole blocks
+    serve_disaggregated(context, generation, "first", first)
+    # The same 48 tokens and more: 3 blocks, the window of the query at 48 needs block 2 only, which
+    # the sliding group holds: all 48 reused though its blocks 0 and 1 are gone (the two agree).
+    longer = first + list(range(60, 68))
+    plan = generation.kv_cache.plan_reuse(longer)
+    assert (plan.num_blocks, plan.full_attention_tokens, plan.window_tokens) == (3, 48, 48)
+    # A prompt sharing 40 tokens: the full group could reuse blocks 0 and 1 (32 tokens), but the
+    # window of the query at 32 needs block 1 (and at 16 block 0), which the sliding group lacks.
+    diverging = first[:40] + list(range(70, 80))
+    plan = generation.kv_cache.plan_reuse(diverging)
+    assert (plan.num_blocks, plan.full_attention_tokens, plan.window_tokens) == (0, 32, 0)
+    pruned_before = generation.counters().window_pruned_tokens
+    outputs = {}
+    for request_id, prompt in (("longer", longer), ("diverging", diverging)):
+        generation.add_request(request_id, prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        while generation.has_unfinished():
+            outputs |= {output.request_id: output for output in generation.step() if output.finished}
+            generation.check_integrity()
+    stats = {request_id: outputs[request_id].stats for request_id in outputs}
+    assert (stats["longer"]["reused_tokens"], stats["longer"]["full_attention_reusable_tokens"]) == (48, 48)
+    assert stats["longer"]["window_reusable_tokens"] == 48
+    assert (stats["diverging"]["reused_tokens"], stats["diverging"]["full_attention_reusable_tokens"]) == (
+        0,
+        32,
+    )
+    assert stats["diverging"]["window_reusable_tokens"] == 0
+    assert generation.counters().window_pruned_tokens - pruned_before == 32
+    counters = generation.counters()
+    assert counters.group_names == ("full", "window8") and counters.group_blocks_in_use == (0, 0)
