@@ -181,6 +181,9 @@ def measure_moved(
             cluster = start_local_cluster(
                 Path(log_dir), engine_arguments=arguments, progress=_say,
                 startup_timeout_s=STARTUP_TIMEOUT_S, kv_cache_gib=kv_cache_gib,
+                coordinator_arguments=(
+                    "--wait-for-workers-s", str(STARTUP_TIMEOUT_S), "--prefill-timeout-s", str(REQUEST_TIMEOUT_S),
+                ),
             )  # fmt: skip
             try:
                 with BeamsplitClient(cluster.coordinator.address) as client:
