@@ -1,146 +1,304 @@
-"""Sliding-window KV: what one request holds and ships, window-aware against the all-full layout.
+"""KV benchmark: what a sliding-window model holds and ships, window-aware groups against all-full.
 
-In process, for each prompt length (1k, 4k, 8k tokens; --quick: 64, 1024), the same prompt is
-prefilled once by an engine with the window-aware KV groups and once by one with
-`sliding_window_kv=False` (every block of every layer), in the same run. Both are measured, not
-computed:
-- held: bytes of the KV blocks in use once the prompt is whole, summed over the KV groups
-  (`EngineCounters.group_blocks_in_use` x each group's page bytes). The prompt is pinned as the
-  context worker pins it; a generation worker's reservation holds the same blocks (both release
-  by the prompt's end), which is also what its first decode step reads.
-- moved: bytes a disaggregated request pulls without reuse: the context side's offer
-  (`PrefillResult.region_page_ids`) times the transfer region's page bytes (`kv_region()`), the
-  figure the generation worker reports as `transferred_bytes`. Independent of the beam width: the
-  prompt is shipped once, before the beams expand.
-Prints JSON (ratios = window-aware / all-full) and draws a PNG under bench/out/.
+    beamsplit bench kv [--model gemma3-270m] [--json] [--quick]      (or: python bench/kv.py ...)
+
+Two layouts of the same model, in the same run: `window` (the default: one KV group per attention
+kind, a sliding group releasing blocks out of its window, docs/cache.md) and `all-full`
+(`--no-sliding-window-kv`: one group, every block of every layer kept, as before issue 27).
+
+- held: one engine per layout in this process (float32, block 32); each prompt (random token ids,
+  a fresh one per case, so nothing is reused) runs alone with beam width W and a few new tokens,
+  eos ignored. After every engine step the bytes the pool holds for it are read
+  (blocks in use per group x that group's page bytes): `held_after_prefill` at the step that
+  yields the first token, `peak` over the request. The beams of both layouts must be equal.
+- moved: a context worker, a generation worker and a coordinator per layout (real processes, UCX
+  on loopback); each prompt goes through the coordinator once per beam width (fresh prompts), and
+  the coordinator's RequestStats give the bytes pulled. They must not depend on W.
+
+Ratios are window / all-full, measured; `issue_bound` is the issue's expected ceiling for
+Gemma 3 270M ((3 P + 15 (512 + 32)) / (18 P)), computed from the model's layers and window.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-TOKENS_PER_BLOCK = 32
+OUT_DIR = Path(__file__).resolve().parent / "out"
+LAYOUTS = ("window", "all-full")
+BLOCK_SIZE = 32
+DTYPE = "float32"
+QUICK_PROMPT_LENS = (64, 160)
+QUICK_WINDOW = 16
+QUICK_BLOCK_SIZE = 16
+REQUEST_TIMEOUT_S = 900.0
+STARTUP_TIMEOUT_S = 300.0
+
+
+# ---- pure helpers (tests/unit/test_bench_kv.py) ----------------------------------------------
+def issue_bound(prompt_len: int, layer_windows: Sequence[int | None], block_size: int) -> float:
+    """Held bytes of the window layout over the all-full one when every sliding layer keeps its
+    window plus one block: (full x P + sliding x min(P, window + T)) / (layers x P)."""
+    full = sum(1 for window in layer_windows if window is None)
+    sliding = sum(min(prompt_len, window + block_size) for window in layer_windows if window is not None)
+    return (full * prompt_len + sliding) / (len(layer_windows) * prompt_len)
+
+
+def ratio_rows(rows: Sequence[dict[str, Any]], key: str, group_by: Sequence[str]) -> list[dict[str, Any]]:
+    """window / all-full of `key` for each group of rows that differ only in their layout."""
+    by_case: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        by_case.setdefault(tuple(row[name] for name in group_by), {})[row["layout"]] = row[key]
+    ratios = []
+    for case, values in sorted(by_case.items()):
+        if set(values) != set(LAYOUTS):
+            raise ValueError(f"{key}: case {case} lacks a layout ({sorted(values)})")
+        ratio = values["window"] / values["all-full"] if values["all-full"] else None
+        ratios.append({**dict(zip(group_by, case, strict=True)), key: values, "ratio": ratio})
+    return ratios
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def _cpu_flags() -> list[str]:
+    """The vector and matrix flags of /proc/cpuinfo (the held and moved bytes do not depend on them;
+    the run's seconds do)."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
+    return [flag for flag in wanted if flag in flags]
 
 
 def _say(message: str) -> None:
-    print(f"[kv] {message}", file=sys.stderr, flush=True)
+    print(f"[bench kv] {message}", file=sys.stderr, flush=True)
 
 
-def _engine(model: str, window_aware: bool, max_len: int) -> Any:
-    from engine import CacheConfig, EngineConfig, LLMEngine
+def _prompt(seed: int, length: int, vocab_size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, min(vocab_size, 30000)) for _ in range(length)]
 
-    num_blocks = max_len // TOKENS_PER_BLOCK + 4
+
+def write_quick_model(directory: Path) -> Path:
+    """A random Gemma 3 of 6 layers (5 sliding : 1 full, as the real one) written by transformers."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+        sliding_window=QUICK_WINDOW, query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=None,
+        pad_token_id=0, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _engine(model: str, block_size: int, kv_cache_gib: float, window_aware: bool) -> Any:
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+
     cache = CacheConfig(
-        tokens_per_block=TOKENS_PER_BLOCK, num_blocks=num_blocks, sliding_window_kv=window_aware
-    )
-    return LLMEngine(EngineConfig(model=model, dtype="float32", cache=cache))
+        tokens_per_block=block_size, max_pool_bytes=int(kv_cache_gib * 2**30),
+        is_sized_by_memory=True, sliding_window_kv=window_aware,
+    )  # fmt: skip
+    return LLMEngine(EngineConfig(model=model, dtype=DTYPE, cache=cache))
 
 
-def _prompt(length: int, vocab_size: int) -> list[int]:
-    return [(index * 104729 + 17) % (vocab_size - 10) + 5 for index in range(length)]
+def _held_bytes(engine: Any) -> int:
+    in_use = engine.kv_cache.num_group_blocks_in_use()
+    return sum(blocks * page for blocks, page in zip(in_use, engine.group_page_bytes, strict=True))
 
 
-def _measure(engine: Any, prompt: list[int], request_id: str) -> dict[str, Any]:
-    started = time.perf_counter()
-    result = engine.prefill(request_id, prompt, 1)
-    prefill_s = time.perf_counter() - started
-    counters = engine.counters()
-    page_bytes = [pool.page_bytes for pool in engine.kv_pool.pools]
-    held = sum(count * size for count, size in zip(counters.group_blocks_in_use, page_bytes, strict=True))
-    moved = len(result.region_page_ids) * engine.kv_region().page_bytes
-    engine.check_integrity()
-    engine.release_prefill(request_id)
-    return {
-        "held_bytes": held,
-        "moved_bytes": moved,
-        "blocks_in_use_per_group": dict(zip(counters.group_names, counters.group_blocks_in_use, strict=True)),
-        "region_pages": len(result.region_page_ids),
-        "prefill_s": round(prefill_s, 2),
-    }
+def measure_held(
+    model: str, prompt_lens: Sequence[int], beam_width: int, max_new_tokens: int, block_size: int,
+    kv_cache_gib: float,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    from engine.config import SamplingParams
+
+    rows: list[dict[str, Any]] = []
+    beams: dict[tuple[str, int], list[list[int]]] = {}
+    model_info: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        started = time.monotonic()
+        engine = _engine(model, block_size, kv_cache_gib, window_aware=layout == "window")
+        _say(f"held: {layout} engine ready in {time.monotonic() - started:.1f} s")
+        config = engine.model_config
+        model_info = {"kv_layer_windows": list(config.kv_layer_windows), "vocab_size": config.vocab_size}
+        for prompt_len in prompt_lens:
+            prompt = _prompt(prompt_len, prompt_len, config.vocab_size)
+            params = SamplingParams(beam_width=beam_width, max_new_tokens=max_new_tokens, ignore_eos=True)
+            request_id = f"{layout}-{prompt_len}"
+            engine.add_request(request_id, prompt, params)
+            started, after_prefill, peak, finished = time.monotonic(), None, 0, None
+            while finished is None:
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    if output.error:
+                        raise RuntimeError(f"{layout}, {prompt_len} tokens: {output.error}")
+                    if after_prefill is None and (output.new_token_ids or output.finished):
+                        after_prefill = _held_bytes(engine)
+                    if output.finished:
+                        finished = output
+                peak = max(peak, _held_bytes(engine))
+            engine.check_integrity()
+            beams[(layout, prompt_len)] = [list(beam.token_ids) for beam in finished.beams]
+            rows.append({
+                "layout": layout, "prompt_tokens": prompt_len, "beam_width": beam_width,
+                "held_after_prefill_bytes": after_prefill, "peak_held_bytes": peak,
+                "held_after_finish_bytes": _held_bytes(engine), "seconds": round(time.monotonic() - started, 2),
+            })  # fmt: skip
+            _say(f"held: {layout} P={prompt_len}: {after_prefill} B after prefill, peak {peak} B")
+        del engine
+    model_info["beams_equal"] = all(beams[("window", n)] == beams[("all-full", n)] for n in prompt_lens)
+    return rows, model_info
 
 
-def run(arguments: argparse.Namespace) -> int:
-    lengths = (64, 1024) if arguments.quick else (1024, 4096, 8192)
-    if getattr(arguments, "lengths", None):
-        lengths = tuple(int(length) for length in arguments.lengths.split(","))
-    engines = {aware: _engine(arguments.model, aware, max(lengths)) for aware in (True, False)}
-    config = engines[True].model_config
-    groups = [(group.window, len(group.layer_indices)) for group in engines[True].kv_cache.groups]
-    _say(f"{arguments.model}: KV groups (window, layers) {groups}, block {TOKENS_PER_BLOCK}")
-    cases = {}
-    for length in lengths:
-        prompt = _prompt(length, config.vocab_size)
-        window_aware = _measure(engines[True], prompt, f"aware-{length}")
-        all_full = _measure(engines[False], prompt, f"full-{length}")
-        cases[str(length)] = {
-            "window_aware": window_aware,
-            "all_full": all_full,
-            "held_ratio": round(window_aware["held_bytes"] / all_full["held_bytes"], 4),
-            "moved_ratio": round(window_aware["moved_bytes"] / all_full["moved_bytes"], 4),
-        }
-        _say(
-            f"{length} tokens: held x{cases[str(length)]['held_ratio']}, moved x{cases[str(length)]['moved_ratio']}"
-        )
-    note = "; ".join(
-        f"{length} tokens: held {case['held_ratio']:.2f}x, moved {case['moved_ratio']:.2f}x of the all-full layout"
-        for length, case in cases.items()
-    )
-    report: dict[str, Any] = {
-        "benchmark": "kv",
-        "model": arguments.model,
-        "dtype": "float32",
-        "tokens_per_block": TOKENS_PER_BLOCK,
-        "kv_groups": [{"window": window, "layers": layers} for window, layers in groups],
-        "held": "EngineCounters.group_blocks_in_use x page bytes per group, prompt whole (pinned)",
-        "moved": "PrefillResult.region_page_ids x kv_region().page_bytes (the offer; no reuse)",
-        "cases": cases,
-        "note": note,
-    }
-    out_dir = Path(__file__).resolve().parent / "out"
-    out_dir.mkdir(exist_ok=True)
-    report["plot"] = str(_plot(cases, out_dir / "kv.png"))
-    print(json.dumps(report, indent=None if arguments.json else 1))
-    if not arguments.json:
-        print(note, file=sys.stderr)
-    return 0
+def measure_moved(
+    model: str, prompt_lens: Sequence[int], beam_widths: Sequence[int], max_new_tokens: int,
+    block_size: int, kv_cache_gib: float, vocab_size: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    from beamsplit.client.grpc_client import BeamsplitClient, build_request
+    from beamsplit.launch.local_cluster import start_local_cluster
+    from beamsplit.v1 import common_pb2
+
+    rows: list[dict[str, Any]] = []
+    for layout in LAYOUTS:
+        arguments = ["--model", model, "--dtype", DTYPE, "--tokens-per-block", str(block_size)]
+        if layout == "all-full":
+            arguments.append("--no-sliding-window-kv")
+        with tempfile.TemporaryDirectory(prefix="bench-kv-") as log_dir:
+            _say(f"moved: starting the {layout} deployment (logs in {log_dir})")
+            cluster = start_local_cluster(
+                Path(log_dir), engine_arguments=arguments, progress=_say,
+                startup_timeout_s=STARTUP_TIMEOUT_S, kv_cache_gib=kv_cache_gib,
+                coordinator_arguments=(
+                    "--wait-for-workers-s", str(STARTUP_TIMEOUT_S), "--prefill-timeout-s", str(REQUEST_TIMEOUT_S),
+                ),
+            )  # fmt: skip
+            try:
+                with BeamsplitClient(cluster.coordinator.address) as client:
+                    for prompt_len in prompt_lens:
+                        for beam_width in beam_widths:
+                            prompt = _prompt(1000 * prompt_len + beam_width, prompt_len, vocab_size)
+                            sampling = common_pb2.SamplingOptions(
+                                beam_width=beam_width, max_new_tokens=max_new_tokens, ignore_eos=True
+                            )
+                            request = build_request(token_ids=prompt, sampling=sampling)
+                            stats: dict[str, Any] = client.generate(
+                                request, timeout_s=REQUEST_TIMEOUT_S
+                            ).stats
+                            rows.append({
+                                "layout": layout, "prompt_tokens": prompt_len, "beam_width": beam_width,
+                                "transferred_bytes": int(stats["transferred_bytes"]),
+                                "transferred_blocks": int(stats["transferred_blocks"]),
+                            })  # fmt: skip
+                            _say(
+                                f"moved: {layout} P={prompt_len} W={beam_width}: {rows[-1]['transferred_bytes']} B"
+                            )
+            finally:
+                cluster.stop()
+    return rows
 
 
-def _plot(cases: dict[str, dict[str, Any]], path: Path) -> Path:
+def _plot(held: list[dict[str, Any]], moved: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
-    lengths = list(cases)
-    positions = range(len(lengths))
-    axis.bar([p - 0.2 for p in positions], [cases[n]["held_ratio"] for n in lengths], 0.4, label="held")
-    axis.bar([p + 0.2 for p in positions], [cases[n]["moved_ratio"] for n in lengths], 0.4, label="moved")
-    axis.set_xticks(list(positions), [f"{n} tokens" for n in lengths])
-    axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_ylabel("window-aware / all-full KV bytes (lower is better)")
-    axis.legend()
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, rows, key, title in (
+        (axes[0], held, "held_after_prefill_bytes", "KV held after prefill (MiB)"),
+        (axes[1], [row for row in moved if row["beam_width"] == max(r["beam_width"] for r in moved)],
+         "transferred_bytes", "KV moved per request (MiB)"),
+    ):  # fmt: skip
+        for layout in LAYOUTS:
+            points = sorted(
+                (row["prompt_tokens"], row[key] / 2**20) for row in rows if row["layout"] == layout
+            )
+            axis.plot([p for p, _ in points], [b for _, b in points], marker="o", label=layout)
+        axis.set_xlabel("prompt tokens")
+        axis.set_title(title)
+        axis.legend()
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
-    return path
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print only the JSON on stdout")
-    parser.add_argument("--quick", action="store_true", help="prompts of 64 and 1024 tokens")
-    parser.add_argument(
-        "--model", default="gemma3-270m", help="a model with sliding windows (default: gemma3-270m)"
+def run(arguments: argparse.Namespace) -> int:
+    import os
+
+    model, prompt_lens, block_size = arguments.model, list(arguments.prompt_lens), BLOCK_SIZE
+    with tempfile.TemporaryDirectory(prefix="bench-kv-model-") as model_dir:
+        if arguments.quick:
+            model = str(write_quick_model(Path(model_dir)))
+            prompt_lens, block_size = list(QUICK_PROMPT_LENS), QUICK_BLOCK_SIZE
+        widths = sorted(set(arguments.beam_widths))
+        held, info = measure_held(
+            model, prompt_lens, max(widths), arguments.max_new_tokens, block_size, arguments.kv_cache_gib
+        )
+        moved: list[dict[str, Any]] = []
+        if not arguments.skip_moved:
+            moved = measure_moved(
+                model, prompt_lens, widths, arguments.max_new_tokens, block_size, arguments.kv_cache_gib,
+                info["vocab_size"],
+            )  # fmt: skip
+    windows = info["kv_layer_windows"]
+    held_ratios = ratio_rows(held, "held_after_prefill_bytes", ["prompt_tokens"])
+    for row in held_ratios:
+        row["issue_bound"] = round(issue_bound(row["prompt_tokens"], windows, block_size), 4)
+        row["within_bound"] = row["ratio"] is not None and row["ratio"] <= row["issue_bound"]
+    moved_ratios = ratio_rows(moved, "transferred_bytes", ["prompt_tokens", "beam_width"]) if moved else []
+    independent_of_width = all(
+        len({row["transferred_bytes"] for row in moved if (row["layout"], row["prompt_tokens"]) == case}) == 1
+        for case in {(row["layout"], row["prompt_tokens"]) for row in moved}
     )
+    result = {
+        "benchmark": "kv", "model": arguments.model if not arguments.quick else "quick-gemma3",
+        "dtype": DTYPE, "tokens_per_block": block_size, "kv_layer_windows": windows,
+        "cpu_flags": _cpu_flags(), "threads": os.cpu_count(),
+        "held": held, "held_ratios": held_ratios, "moved": moved, "moved_ratios": moved_ratios,
+        "goals": {
+            "beams_equal_between_layouts": info["beams_equal"],
+            "held_within_issue_bound": all(row["within_bound"] for row in held_ratios),
+            "moved_independent_of_beam_width": independent_of_width if moved else None,
+            "moved_shrinks_like_held": all(
+                row["ratio"] is not None and row["ratio"] <= held_row["issue_bound"]
+                for row in moved_ratios for held_row in held_ratios
+                if held_row["prompt_tokens"] == row["prompt_tokens"]
+            ) if moved else None,
+        },
+    }  # fmt: skip
+    arguments.out_dir.mkdir(parents=True, exist_ok=True)
+    (arguments.out_dir / "kv.json").write_text(json.dumps(result, indent=2) + "\n")
+    if moved:
+        _plot(held, moved, arguments.out_dir / "kv.png")
+    if arguments.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for row in held_ratios:
+            print(
+                f"P={row['prompt_tokens']}: held window/all-full {row['ratio']:.3f} (bound {row['issue_bound']})"
+            )
+        for row in moved_ratios:
+            print(f"P={row['prompt_tokens']} W={row['beam_width']}: moved window/all-full {row['ratio']:.3f}")
+    return 0 if all(value is not False for value in result["goals"].values()) else 1
 
 
 if __name__ == "__main__":
-    command_line = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(command_line)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    raise SystemExit(run(command_line.parse_args()))
+    from beamsplit.cli.bench import add_kv_arguments
+
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _parser.add_argument("--json", action="store_true", help="print only the JSON on stdout")
+    add_kv_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))

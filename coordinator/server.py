@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         max_attempts=max(1, args.max_attempts),
         lease_s=args.lease_s,
         tokens_per_block=fleet_info.tokens_per_block,
+        prefill_timeout_s=args.prefill_timeout_s,
     )
     service = CoordinatorService(context_pool, generation_pool, tokenizer, limits, settings)
     gate = ShutdownGate()

@@ -26,7 +26,11 @@ BENCHMARKS = (
         "beamsplit (aggregated and disaggregated, HTTP) against transformers, OpenVINO GenAI and CTranslate2 "
         "on SmolLM2-135M: one request alone, 16 at once, float32 and native bfloat16, host limits, goals",
     ),
-    ("kv", "sliding-window KV: bytes one request holds and ships, window-aware vs all-full layout"),
+    (
+        "kv",
+        "a sliding-window model (Gemma 3 270M) with window-aware KV groups against all-full: KV bytes held "
+        "per request and moved per disaggregated request, prompts of 1k/4k/8k tokens",
+    ),
     (
         "serve",
         "a replayed Poisson workload (beam widths 1/2/4) on a 156M random Llama: disaggregated, aggregated "
@@ -90,15 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 "(default: bench/out/peers-cache)",
             )
         elif name == "kv":
-            benchmark_parser.add_argument(
-                "--quick", action="store_true", help="prompts of 64 and 1024 tokens"
-            )
-            benchmark_parser.add_argument(
-                "--model", default="gemma3-270m", help="a model with sliding windows (default: gemma3-270m)"
-            )
-            benchmark_parser.add_argument(
-                "--lengths", default="", help="prompt lengths, comma-separated (default: 1024,4096,8192)"
-            )
+            add_kv_arguments(benchmark_parser)
         elif name == "soak":
             benchmark_parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs")
             benchmark_parser.add_argument("--concurrency", type=int, default=16, help="client threads")
@@ -107,6 +103,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             if name == "invariance":
                 benchmark_parser.add_argument("--repeats", type=int, default=3, help="runs per setting")
         benchmark_parser.set_defaults(handler=_runner(name))
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench kv`'s flags beyond --json (bench/kv.py uses this too)."""
+    parser.add_argument(
+        "--model", default="gemma3-270m", help="a sliding-window model (default: gemma3-270m)"
+    )
+    parser.add_argument(
+        "--prompt-lens", type=int, nargs="+", default=[1024, 4096, 8192], metavar="N",
+        help="prompt lengths in tokens (default: 1024 4096 8192)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--beam-widths", type=int, nargs="+", default=[1, 4], metavar="W",
+        help="beam widths of the moved-bytes cases; the held cases use the largest (default: 1 4)",
+    )  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=4, help="new tokens per beam (default: 4)")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="each engine's KV pool budget (default: 1 GiB)"
+    )
+    parser.add_argument("--skip-moved", action="store_true", help="held bytes only: start no servers")
+    parser.add_argument(
+        "--out-dir", type=Path, default=Path(BENCH_DIR) / "out", help="where kv.json and kv.png go"
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="a random 6-layer Gemma 3 (window 16, block 16) and prompts of 64 and 160 tokens, for the tests",
+    )  # fmt: skip
 
 
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:

@@ -142,6 +142,13 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lease-s", type=float, default=30.0, help="lease asked of context workers")
     parser.add_argument(
+        "--prefill-timeout-s",
+        type=float,
+        default=120.0,
+        help="bound on one prompt's prefill on a context worker when the client sets no deadline "
+        "(raise it for prompts of many thousand tokens on CPU)",
+    )
+    parser.add_argument(
         "--max-attempts", type=int, default=2, help="tries per request on unreachable workers"
     )
     parser.add_argument(
