@@ -7,9 +7,7 @@ tokens), so a long prompt is refused for lack of KV space."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -17,9 +15,10 @@ import pytest
 
 from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import ServerProcess
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import LocalCluster
 from beamsplit.v1 import common_pb2
 from engine.models.loader import load_model_tokenizer
+from tests.helpers.clusters import assert_pools_empty, module_cluster
 
 MODEL = "tiny"
 CONTEXT_BLOCKS = 4  # a context worker holds prompts of up to 128 tokens
@@ -31,19 +30,13 @@ SERVERS = ["coordinator", "aggregated"]
 def http_cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[LocalCluster]:
     """For a module-scoped fixture: the deployment, stopped after the module; every process must
     exit cleanly."""
-    log_dir: Path = tmp_path_factory.mktemp(name)
-    started = start_local_cluster(
-        log_dir,
-        startup_timeout_s=180.0,
+    yield from module_cluster(
+        tmp_path_factory,
+        name,
         context_arguments=["--num-blocks", str(CONTEXT_BLOCKS)],
         aggregated_arguments=["--num-blocks", str(AGGREGATED_BLOCKS)],
         http=True,
     )
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
 
 
 def serve_each(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[ServerProcess]:
@@ -55,15 +48,6 @@ def serve_each(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterato
 def client_of(server: ServerProcess) -> openai.OpenAI:
     # No retries: a 429 or 503 must reach the test as it reached the client.
     return openai.OpenAI(base_url=server.http_url, api_key="x", max_retries=0, timeout=120.0)
-
-
-def assert_pools_empty(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    blocks = cluster.blocks_in_use()
-    while any(value != 0 for value in blocks.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        blocks = cluster.blocks_in_use()
-    assert all(value == 0 for value in blocks.values()), f"KV blocks still in use: {blocks}"
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:

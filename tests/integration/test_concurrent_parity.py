@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from beamsplit.client.grpc_client import BeamsplitClient, GenerateResult, build_request
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import LocalCluster
 from beamsplit.v1 import common_pb2, coordinator_pb2
-from tests.integration.test_service_parity import assert_pools_empty
+from tests.helpers.clusters import assert_pools_empty, module_cluster
 from tests.unit.test_batch_invariance import mixed_requests
 from tests.unit.test_batch_invariance import model_dir as model_dir  # the same wide random Llama
 
@@ -32,7 +32,6 @@ NUM_REQUESTS = 16
 def cluster(
     request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    log_dir = tmp_path_factory.mktemp(f"concurrent-{request.param}")
     engine_arguments = [
         "--model",
         str(model_dir),
@@ -42,12 +41,9 @@ def cluster(
         "512",
         "--batch-invariant",
     ]
-    started = start_local_cluster(log_dir, engine_arguments, startup_timeout_s=180.0)
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
+    yield from module_cluster(
+        tmp_path_factory, f"concurrent-{request.param}", engine_arguments=engine_arguments
+    )
 
 
 def workload() -> list[coordinator_pb2.GenerateRequest]:

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from beamsplit.launch.launcher import ServerProcess
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import LocalCluster
 from engine.tokenizer import Tokenizer, load_tokenizer
 from tests.helpers.checkpoints import write_random_llama_with_tokenizer
-from tests.helpers.http_front import SERVERS, assert_pools_empty, client_of, serve_each
+from tests.helpers.clusters import assert_pools_empty, module_cluster
+from tests.helpers.http_front import SERVERS, client_of, serve_each
 
 TOLERANCE = 1e-9
 BLOCK = 16
@@ -45,18 +46,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
-    log_dir = tmp_path_factory.mktemp("http-logprobs")
-    started = start_local_cluster(
-        log_dir,
+    yield from module_cluster(
+        tmp_path_factory,
+        "http-logprobs",
         engine_arguments=["--model", str(model_dir), "--dtype", "float64", "--tokens-per-block", str(BLOCK)],
-        startup_timeout_s=180.0,
         http=True,
     )
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
 
 
 @pytest.fixture(params=SERVERS)

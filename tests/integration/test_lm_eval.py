@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from beamsplit.launch.launcher import ServerProcess
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import LocalCluster
 from tests.helpers.checkpoints import write_random_llama_with_tokenizer
+from tests.helpers.clusters import module_cluster
 from tests.helpers.lm_eval_venv import INSTALL_TIMEOUT_S, lm_eval_executable
 
 TASK_DIR = Path(__file__).parent / "lm_eval_task"
@@ -67,18 +68,12 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path, lm_eval: Path
 ) -> Iterator[LocalCluster]:
-    log_dir = tmp_path_factory.mktemp("lm-eval-cluster")
-    started = start_local_cluster(
-        log_dir,
+    yield from module_cluster(
+        tmp_path_factory,
+        "lm-eval-cluster",
         engine_arguments=["--model", str(model_dir), "--dtype", "float32", "--tokens-per-block", "16"],
-        startup_timeout_s=180.0,
         http=True,
     )
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ every KV pool at zero blocks in use.
 from __future__ import annotations
 
 import ssl
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
 from beamsplit.server.tls import TlsConfig, open_channel
 from beamsplit.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from tests.helpers.certificates import Authority, CertificateFiles, make_authority
+from tests.helpers.clusters import assert_pools_empty
 from tests.helpers.listeners import is_loopback, listening_addresses
 
 pytestmark = pytest.mark.timeout(240)
@@ -82,15 +82,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     finally:
         codes = cluster.stop()
     assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {directory}"
-
-
-def assert_pools_empty(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    blocks = cluster.blocks_in_use()
-    while any(value != 0 for value in blocks.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        blocks = cluster.blocks_in_use()
-    assert all(value == 0 for value in blocks.values()), f"KV blocks still in use: {blocks}"
 
 
 def https_url(server: ServerProcess) -> str:

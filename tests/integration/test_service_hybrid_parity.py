@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from beamsplit.client.grpc_client import BeamsplitClient
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
-from tests.integration.test_service_parity import assert_parity, assert_pools_empty, run_both
+from beamsplit.launch.local_cluster import LocalCluster
+from tests.helpers.clusters import assert_pools_empty, module_cluster
+from tests.integration.test_service_parity import assert_parity, run_both
 
 BLOCK = 32
 ENGINE_ARGUMENTS = ("--model", "tiny-hybrid", "--dtype", "float64", "--tokens-per-block", str(BLOCK))
@@ -24,19 +24,13 @@ ENGINE_ARGUMENTS = ("--model", "tiny-hybrid", "--dtype", "float64", "--tokens-pe
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    log_dir: Path = tmp_path_factory.mktemp("service-hybrid-parity")
-    started = start_local_cluster(
-        log_dir,
+    yield from module_cluster(
+        tmp_path_factory,
+        "service-hybrid-parity",
         engine_arguments=ENGINE_ARGUMENTS,
-        startup_timeout_s=180.0,
         context_arguments=("--enable-partial-reuse",),
         aggregated_arguments=("--enable-partial-reuse",),
     )
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
 
 
 @pytest.fixture

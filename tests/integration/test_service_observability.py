@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -21,9 +20,10 @@ import pytest
 from beamsplit.cli.status import fetch_status
 from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import HOST, PortPicker, ServerProcess
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import LocalCluster
 from beamsplit.server.metrics import read_samples
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.helpers.clusters import module_cluster
 
 BLOCK = 32
 PROMPT_LEN = 67  # two full blocks and a partial tail: beams fork the tail
@@ -58,13 +58,7 @@ GAUGES = (
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    log_dir: Path = tmp_path_factory.mktemp("service-observability")
-    started = start_local_cluster(log_dir, startup_timeout_s=180.0)
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
+    yield from module_cluster(tmp_path_factory, "service-observability")
 
 
 def servers(cluster: LocalCluster) -> list[ServerProcess]:

@@ -11,17 +11,16 @@ import json
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from beamsplit.client.grpc_client import BeamsplitClient, GenerateResult, build_request
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import LocalCluster
 from beamsplit.v1 import common_pb2
+from tests.helpers.clusters import assert_pools_empty, module_cluster
 
 BLOCK = 32
 MAX_NEW_TOKENS = 8
@@ -30,13 +29,7 @@ SCORE_TOLERANCE = 1e-9
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    log_dir: Path = tmp_path_factory.mktemp("service-parity")
-    started = start_local_cluster(log_dir, startup_timeout_s=180.0)
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean exits {codes}; logs in {log_dir}"
+    yield from module_cluster(tmp_path_factory, "service-parity")
 
 
 @pytest.fixture
@@ -47,15 +40,6 @@ def clients(cluster: LocalCluster) -> Iterator[tuple[BeamsplitClient, BeamsplitC
     ):
         yield coordinator, aggregated
     assert_pools_empty(cluster)
-
-
-def assert_pools_empty(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    blocks = cluster.blocks_in_use()
-    while any(value != 0 for value in blocks.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        blocks = cluster.blocks_in_use()
-    assert all(value == 0 for value in blocks.values()), f"KV blocks still in use: {blocks}"
 
 
 def prompt_tokens(length: int, seed: int) -> list[int]:

@@ -6,7 +6,6 @@ same message. One deployment (`tiny`, HTTP fronts on) for the module.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -15,32 +14,17 @@ import pytest
 
 from beamsplit.client.grpc_client import BeamsplitClient, build_request
 from beamsplit.launch.launcher import ServerProcess
-from beamsplit.launch.local_cluster import LocalCluster, start_local_cluster
+from beamsplit.launch.local_cluster import LocalCluster
 from beamsplit.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers.bad_input import GRPC_CASES, HTTP_CASES, TINY_VOCAB, GrpcCase, HttpCase
+from tests.helpers.clusters import assert_pools_empty, module_cluster
 
 GENERATE = "/beamsplit.v1.Coordinator/Generate"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    started = start_local_cluster(
-        tmp_path_factory.mktemp("service-validation"), startup_timeout_s=180.0, http=True
-    )
-    try:
-        yield started
-    finally:
-        codes = started.stop()
-    assert all(code == 0 for code in codes.values()), codes
-
-
-def assert_pools_empty(cluster: LocalCluster, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    blocks = cluster.blocks_in_use()
-    while any(blocks.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        blocks = cluster.blocks_in_use()
-    assert all(value == 0 for value in blocks.values()), f"KV blocks in use: {blocks}"
+    yield from module_cluster(tmp_path_factory, "service-validation", http=True)
 
 
 def assert_serving(server: ServerProcess) -> None:
