@@ -93,10 +93,14 @@ class GroupedTable:
     """One sequence's tables, tables[g] in group g; every table holds num_tokens tokens."""
 
     tables: list[BlockTable]
+    # A prompt being prefilled chunk by chunk: its length. Its full groups hold it whole, its
+    # sliding groups only up to the chunk that runs next (extend_for_chunk). 0: every table
+    # holds num_tokens (a decoding beam, a pulled or pinned prompt).
+    prompt_len: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.tables[0].num_tokens
+        return self.prompt_len or self.tables[0].num_tokens
 
     @property
     def block_ids(self) -> list[int]:
@@ -273,9 +277,12 @@ class KVGroups:
         prune_to_snapshots: bool | None = None,
         reuse_prefix: bool = True,
         first_query_position: int | None = None,
+        is_chunked: bool = False,
     ) -> GroupedAllocation:
         """Every group's blocks for a prompt, all reusing the same prefix. All-or-nothing.
         first_query_position: KVCacheManager.allocate_window_prompt's (a pulled prompt: its length).
+        is_chunked: a prompt the caller prefills here chunk by chunk: its sliding groups take only
+        the reused prefix's window now, each chunk's blocks come with extend_for_chunk.
 
         No window: KVCacheManager.allocate_prompt. With sliding groups, whole blocks only
         (plan_reuse): the full groups share the reused blocks, each sliding group only those its
@@ -303,8 +310,9 @@ class KVGroups:
                     )
                 else:
                     allocation = manager.allocate_window_prompt(
-                        token_ids, plan.block_keys, plan.num_blocks, first_query_position
-                    )
+                        token_ids, plan.block_keys, plan.num_blocks, first_query_position,
+                        num_tokens if is_chunked else None,
+                    )  # fmt: skip
                 allocations.append(allocation)
         except OutOfBlocksError:
             for manager, allocation, stats in zip(self.managers, allocations, before, strict=False):
@@ -312,8 +320,11 @@ class KVGroups:
                 manager.stats = stats
             raise
         self._add_deltas(before, count_lookups=True)
+        table = GroupedTable([allocation.table for allocation in allocations])
+        if is_chunked and len(token_ids) > num_tokens:
+            table.prompt_len = len(token_ids)
         return GroupedAllocation(
-            GroupedTable([allocation.table for allocation in allocations]), num_tokens, plan.num_blocks,
+            table, num_tokens, plan.num_blocks,
             tuple(allocation.copies for allocation in allocations), num_tokens, None,
             plan.full_attention_tokens, plan.window_tokens,
         )  # fmt: skip
@@ -409,6 +420,31 @@ class KVGroups:
                 raise OutOfBlocksError(f"beams need {num_copies} new blocks in KV group {group}")
 
     # -- growth and release ------------------------------------------------------------------
+    def extend_for_chunk(self, table: GroupedTable, end: int) -> int:
+        """A chunked prompt's sliding groups take the blocks up to token `end` (the end of the
+        chunk about to run); the blocks before it that its first query cannot see were released
+        after the previous chunk. All-or-nothing across groups; returns the blocks taken.
+        A table that is not being prefilled chunk by chunk (prompt_len 0) holds them already."""
+        if not table.prompt_len:
+            return 0
+        if not 0 < end <= table.prompt_len:
+            raise ValueError(f"chunk end {end} outside (0, {table.prompt_len}]")
+        size = self.tokens_per_block
+        needed = tuple(max(0, -(-end // size) - len(group_table.block_ids)) for group_table in table.tables)
+        if not self.fits(needed):
+            raise OutOfBlocksError(
+                f"prompt chunk needs {list(needed)} blocks per KV group, "
+                f"{list(self.num_free_group_blocks())} free"
+            )
+        before = [replace(manager.stats) for manager in self.managers]
+        for manager, group_table in zip(self.managers, table.tables, strict=True):
+            if group_table.num_tokens < end:
+                manager.append_slots(group_table, end - group_table.num_tokens)
+        self._add_deltas(before)
+        if all(group_table.num_tokens == table.prompt_len for group_table in table.tables):
+            table.prompt_len = 0  # whole in every group: a plain table from now on
+        return sum(needed)
+
     def append_slots(self, table: GroupedTable, num_tokens: int = 1) -> None:
         """One more slot in every group, then the blocks the new token's query no longer sees are
         released. All-or-nothing across groups."""
@@ -471,5 +507,17 @@ class KVGroups:
             assert len(table.tables) == self.num_groups, (
                 f"{len(table.tables)} tables for {self.num_groups} groups"
             )
+            if table.prompt_len:
+                # Chunked prefill: full groups hold the whole prompt, sliding ones a prefix of it.
+                for kv_group, group_table in zip(self.groups, table.tables, strict=True):
+                    if kv_group.window is None:
+                        assert group_table.num_tokens == table.prompt_len, (
+                            f"full group holds {group_table.num_tokens} of {table.prompt_len} tokens"
+                        )
+                    else:
+                        assert group_table.num_tokens <= table.prompt_len, (
+                            f"sliding group holds {group_table.num_tokens} > {table.prompt_len} tokens"
+                        )
+                continue
             counts = {group_table.num_tokens for group_table in table.tables}
             assert len(counts) == 1, f"groups disagree on num_tokens: {counts}"

@@ -137,7 +137,7 @@ class Scheduler:
             )
         before = self._stats_before()
         allocation = self.kv_cache.allocate_prompt(
-            request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs
+            request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs, is_chunked=True
         )
         self._install_prompt(request, allocation, before)
         request.state = RequestState.PREFILLING
@@ -193,7 +193,7 @@ class Scheduler:
         for request in prefilling:
             if self._prefill_budget(batch) == 0:
                 break
-            batch.prefills.append(self._next_chunk(request, batch))
+            self._add_chunk(request, batch)
         self._admit(batch)
         self._shed_waiting(batch)
         if batch.is_empty and self.running and not blocks_held_elsewhere:
@@ -248,7 +248,7 @@ class Scheduler:
             request.times.admitted = time.monotonic()
             self.running.append(request)
             if self._prefill_budget(batch) > 0:
-                batch.prefills.append(self._next_chunk(request, batch))
+                self._add_chunk(request, batch)
 
     def _prefill_budget(self, batch: ScheduledBatch) -> int:
         """Prompt tokens this step may still feed."""
@@ -256,9 +256,17 @@ class Scheduler:
             return 1 << 62
         return max(0, self.max_num_batched_tokens - batch.num_tokens)
 
-    def _next_chunk(self, request: Request, batch: ScheduledBatch) -> PrefillChunk:
+    def _add_chunk(self, request: Request, batch: ScheduledBatch) -> None:
+        """The prompt's next chunk joins the batch once its sliding groups hold the chunk's blocks
+        (KVGroups.extend_for_chunk); short of blocks, it waits for a later step."""
         num_tokens = min(request.num_uncomputed_tokens, self._prefill_budget(batch))
-        return PrefillChunk(request, request.num_computed_tokens, num_tokens)
+        end = request.num_computed_tokens + num_tokens
+        try:
+            self._counted(request, functools.partial(self.kv_cache.extend_for_chunk, request.tables[0], end))
+        except OutOfBlocksError:
+            return
+        self._note_blocks(request)
+        batch.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_tokens))
 
     def _shed_waiting(self, batch: ScheduledBatch) -> None:
         """Fail waiting requests past the queue's bounds; they hold no block, so nothing is freed."""
@@ -291,8 +299,9 @@ class Scheduler:
         before = self._stats_before()
         try:
             allocation = self.kv_cache.allocate_prompt(
-                request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs
-            )
+                request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs,
+                is_chunked=True,
+            )  # fmt: skip
         except OutOfBlocksError:
             return False
         request.tables = [allocation.table]
@@ -375,6 +384,12 @@ class Scheduler:
             # Beams move in lockstep: k decided tokens means k - 1 fed (k once grown for the next).
             fed = request.prompt_len + max(request.num_steps - 1, 0)
             assert all(table.num_tokens in (fed, fed + 1) for table in request.tables), request.request_id
+            if request.state is RequestState.PREFILLING:
+                # Sliding groups hold the prompt up to the chunk that runs next, at least what ran.
+                assert all(
+                    group_table.num_tokens >= request.num_computed_tokens
+                    for group_table in request.tables[0].tables
+                ), request.request_id
             assert request.peak_blocks <= request.formula_blocks, f"{request.request_id} exceeds its bound"
             bound = (
                 request.decode_group_blocks

@@ -160,3 +160,46 @@ def test_one_full_group_reports_the_same_figure_twice() -> None:
     cache.free(first.table)
     cache.free(second.table)
     cache.check_integrity([])
+
+
+def test_a_chunked_prompt_takes_its_sliding_blocks_chunk_by_chunk() -> None:
+    groups = (KVGroup(None, (1,)), KVGroup(WINDOW, (0, 2)))
+    cache = KVGroups([CacheConfig(T, 16), CacheConfig(T, 5)], groups)
+    prompt = tokens(0, 70)
+    first = cache.allocate_prompt(prompt)
+    cache.commit(first.table, prompt)
+    cache.free(first.table)
+    # 40 tokens shared, then 30 others: reuse stops at 32 (whole blocks). The full group takes the
+    # whole prompt; the sliding group looks up only block 1 (the window of query 32) and takes
+    # nothing past the reused prefix yet.
+    allocation = cache.allocate_prompt(prompt[:40] + tokens(500, 30), is_chunked=True)
+    table = allocation.table
+    assert allocation.num_cached_tokens == 32 and table.num_tokens == table.prompt_len == 70
+    assert table.group_block_ids() == ([0, 1, 4, 5, 6], [HOLE, 1])
+    cache.check_integrity([table])
+    with pytest.raises(ValueError, match="chunk end 71"):
+        cache.extend_for_chunk(table, 71)
+    # Chunk [32, 52): blocks 2 and 3 more; then query 52 no longer sees block 1.
+    assert cache.extend_for_chunk(table, 52) == 2
+    assert table.group_block_ids() == ([0, 1, 4, 5, 6], [HOLE, 1, 4, 3])
+    cache.check_integrity([table])
+    assert cache.release_out_of_window(table, 52) == 1
+    assert table.group_block_ids()[1] == [HOLE, HOLE, 4, 3]
+    # Another prompt takes the sliding group's last 3 blocks: the next chunk must wait, and a
+    # failed extension changes nothing in any group.
+    other = cache.allocate_prompt(tokens(900, 36), is_chunked=True)
+    assert other.table.group_block_ids()[1] == []
+    assert cache.extend_for_chunk(other.table, 36) == 3
+    assert cache.num_free_group_blocks()[1] == 0
+    before = table.group_block_ids()
+    with pytest.raises(OutOfBlocksError):
+        cache.extend_for_chunk(table, 70)
+    assert table.group_block_ids() == before and table.prompt_len == 70
+    cache.check_integrity([table, other.table])
+    cache.free(other.table)
+    assert cache.extend_for_chunk(table, 70) == 1
+    # Whole in every group: a plain table again, as a decode step expects.
+    assert table.prompt_len == 0 and table.num_tokens == 70 and len(table.group_block_ids()[1]) == 5
+    cache.check_integrity([table])
+    cache.free(table)
+    cache.check_integrity([])

@@ -104,6 +104,43 @@ def test_gemma3_blocks_held_per_group(checkpoints: dict[str, Path]) -> None:
     ]
 
 
+@pytest.mark.parametrize("window_aware", [True, False])
+def test_a_chunked_prompt_holds_only_its_window_and_chunk_per_sliding_group(
+    checkpoints: dict[str, Path], window_aware: bool
+) -> None:
+    """A 100-token prompt in chunks of 20 (window 8, blocks 16): at each chunk's forward the full
+    group holds the whole prompt, the sliding group only the blocks the chunk writes and those its
+    first query still sees, at most ceil((8 + 20)/16) + 1 = 3 (ceil(100/16) = 7 before)."""
+    engine = make_engine(checkpoints["gemma3"], window_aware, max_num_seqs=2, max_num_batched_tokens=20)
+    forward = engine.runner.forward
+    held: list[tuple[int, tuple[int, ...]]] = []
+
+    def recording_forward(seqs):  # type: ignore[no-untyped-def]
+        for request in engine.scheduler.running:
+            held.append((request.num_computed_tokens, request.num_group_blocks_held()))
+        return forward(seqs)
+
+    engine.runner.forward = recording_forward  # type: ignore[method-assign]
+    prompt = [3 + index % 90 for index in range(100)]
+    params = SamplingParams(beam_width=2, max_new_tokens=4, ignore_eos=True)
+    beams, _ = run_recording_blocks(engine, prompt, params)
+    if window_aware:
+        # chunk [0, 20): blocks 0, 1; [20, 40): query 20 still sees block 0, blocks 0..2; [40, 60):
+        # blocks 2, 3; [60, 80): 3, 4; [80, 100): 4..6. Then 2 beams of ceil(8/16) + 1 blocks.
+        assert held[:5] == [(0, (7, 2)), (20, (7, 3)), (40, (7, 2)), (60, (7, 2)), (80, (7, 3))]
+        assert max(sliding for _, (_, sliding) in held) <= -(-(8 + 20) // T) + 1
+        # Each of the 7 prompt blocks was taken once, when its chunk ran; then the second beam's
+        # copy of the tail (tokens 100..103 stay in block 6: no decode growth).
+        assert engine.kv_cache.managers[1].stats.new_blocks == 7 + 1
+    else:
+        assert held[:5] == [(start, (7,)) for start in range(0, 100, 20)]
+    full_engine = make_engine(checkpoints["gemma3"], False, max_num_seqs=2, max_num_batched_tokens=20)
+    full_beams, _ = run_recording_blocks(full_engine, prompt, params)
+    assert [(beam.token_ids, beam.score) for beam in beams] == [
+        (beam.token_ids, beam.score) for beam in full_beams
+    ]
+
+
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_beams_match_transformers_with_chunks_and_prefix_reuse(
     checkpoints: dict[str, Path], family: str
