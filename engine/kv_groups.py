@@ -49,34 +49,60 @@ def make_kv_groups(
     return tuple(groups)
 
 
+def sliding_blocks_needed(
+    window: int,
+    tokens_per_block: int,
+    prompt_len: int,
+    total_len: int,
+    beam_width: int,
+    chunk_tokens: int | None = None,
+    is_decoding: bool = False,
+) -> int:
+    """The most blocks one request holds at once in a sliding group of this window (docs/cache.md).
+
+    Prefill, chunks of at most chunk_tokens C (None: the whole prompt at once): the first query's
+    window and the chunk, positions [s - W + 1, s + C), at most ceil((W + C)/T) + 1 blocks, never
+    more than the prompt's ceil(P/T). Decode: per beam the previous query's window and the new
+    token's block, ceil(W/T) + 1, never more than ceil(S/T). is_decoding: the decode bound only."""
+    size = tokens_per_block
+    num_prompt = -(-prompt_len // size)
+    num_total = -(-max(total_len, prompt_len) // size)
+    per_beam = min(num_total, -(-window // size) + 1)
+    prefill = num_prompt if chunk_tokens is None else min(num_prompt, -(-(window + chunk_tokens) // size) + 1)
+    return max(0 if is_decoding else prefill, beam_width * per_beam)
+
+
 def group_cache_configs(
     cache: CacheConfig,
     groups: Sequence[KVGroup],
     page_bytes: Sequence[int],
     max_len: int,
-    max_prefill_blocks: int | None = None,
+    chunk_tokens: int | None = None,
+    beam_width: int = 1,
 ) -> list[CacheConfig]:
     """Each group's cache config, its num_blocks fitted to its share of the memory budget.
 
     One group: cache.fitted_to(its page bytes), as a one-pool cache always was. Sized by a block
     count (no max_pool_bytes): every group gets num_blocks. Sized by memory: the budget is split in
-    proportion to what one request of max_len tokens holds at its peak in each group (its blocks
-    times its page bytes), then each share is divided by the group's page bytes. A sliding group
-    holds at most ceil(W/T) + 1 blocks while decoding but, while its prompt is prefilled, the
-    blocks allocated for it: max_prefill_blocks (None: the whole prompt, as admission allocates it
-    today, so a sliding group gets as many blocks as a full one)."""
+    proportion to what one request of max_len tokens (beam_width beams) holds at its peak in each
+    group, its blocks times the group's page bytes: a full group ceil(L/T) blocks (beam_width of
+    them: the shared prompt plus each beam's tail), a sliding group sliding_blocks_needed's bound
+    for prefill chunks of chunk_tokens (None: the whole prompt at once, so as many as a full
+    group's). Then each share is divided by the group's page bytes."""
     if len(groups) == 1:
         return [cache.fitted_to(page_bytes[0])]
     if cache.max_pool_bytes is None:
         return [cache for _ in groups]
     size = cache.tokens_per_block
-    num_blocks = -(-max_len // size)
-    prefill_blocks = num_blocks if max_prefill_blocks is None else max_prefill_blocks
+    num_shared = max_len // size
+    full = num_shared + beam_width * (-(-max_len // size) - num_shared)  # KVCacheManager.blocks_needed
     demands = [
         (
-            num_blocks
+            full
             if group.window is None
-            else min(num_blocks, max(prefill_blocks, -(-group.window // size) + 1))
+            else min(
+                full, sliding_blocks_needed(group.window, size, max_len, max_len, beam_width, chunk_tokens)
+            )
         )
         * page
         for group, page in zip(groups, page_bytes, strict=True)
@@ -239,24 +265,36 @@ class KVGroups:
         return tuple(manager.allocator.num_cached_blocks() for manager in self.managers)
 
     def blocks_needed(
-        self, prompt_len: int, total_len: int, beam_width: int, is_decoding: bool = False
+        self,
+        prompt_len: int,
+        total_len: int,
+        beam_width: int,
+        is_decoding: bool = False,
+        chunk_tokens: int | None = None,
     ) -> BlockCounts:
         """Per group, the most blocks one request holds at once (docs/cache.md, admission bound).
 
-        A sliding group holds the whole prompt while it is prefilled, then at most ceil(W/T) + 1
-        blocks per beam (the previous query's window and the new token's block). is_decoding: the
-        bound from the first decode step on (the prompt phase is over)."""
-        size = self.tokens_per_block
+        A sliding group holds, while its prompt is prefilled in chunks of at most chunk_tokens
+        (None: whole), the first query's window and the chunk; then at most ceil(W/T) + 1 blocks
+        per beam (sliding_blocks_needed). A pulled prompt passes chunk_tokens 0: it arrives whole
+        and takes only the first decode query's window. is_decoding: the bound from the first
+        decode step on (the prompt phase is over)."""
         counts = []
         for manager, group in zip(self.managers, self.groups, strict=True):
             full = manager.blocks_needed(prompt_len, total_len, beam_width)
             if group.window is None:
                 counts.append(full)
                 continue
-            num_total = -(-max(total_len, prompt_len) // size)
-            per_beam = min(num_total, -(-group.window // size) + 1)
-            prefill = 0 if is_decoding else -(-prompt_len // size)
-            counts.append(min(full, max(prefill, beam_width * per_beam)))
+            sliding = sliding_blocks_needed(
+                group.window,
+                self.tokens_per_block,
+                prompt_len,
+                total_len,
+                beam_width,
+                chunk_tokens,
+                is_decoding,
+            )
+            counts.append(min(full, sliding))
         return tuple(counts)
 
     def fits(self, needed: BlockCounts, available: BlockCounts | None = None) -> bool:

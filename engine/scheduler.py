@@ -407,8 +407,9 @@ class Scheduler:
     def _set_formula(self, request: Request) -> None:
         max_new_tokens = 0 if request.is_prefill_only else request.params.max_new_tokens
         total_len = request.prompt_len + max_new_tokens
+        # Prompts run in chunks of at most max_num_batched_tokens (None: whole).
         request.formula_group_blocks = self.kv_cache.blocks_needed(
-            request.prompt_len, total_len, request.num_beams
+            request.prompt_len, total_len, request.num_beams, chunk_tokens=self.max_num_batched_tokens
         )
         request.decode_group_blocks = self.kv_cache.blocks_needed(
             request.prompt_len, total_len, request.num_beams, is_decoding=True

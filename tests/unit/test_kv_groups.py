@@ -109,6 +109,11 @@ def test_group_bounds_and_all_or_nothing_growth() -> None:
     assert cache.blocks_needed(40, 52, 3, is_decoding=True) == (8, 6)
     assert cache.blocks_needed(100, 101, 1) == (7, 7)
     assert cache.blocks_needed(100, 101, 1, is_decoding=True) == (7, 2)
+    # In chunks of at most 20: the first query's window and the chunk, ceil((8 + 20)/16) + 1.
+    assert cache.blocks_needed(100, 101, 1, chunk_tokens=20) == (7, 3)
+    assert cache.blocks_needed(100, 101, 4, chunk_tokens=20) == (7 + 3, 8)  # 4 beams x 2 blocks
+    assert cache.blocks_needed(20, 21, 1, chunk_tokens=64) == (2, 2)  # never past the prompt's
+    assert cache.blocks_needed(100, 101, 1, chunk_tokens=0) == (7, 2)  # a pulled prompt
     allocation = cache.allocate_prompt(tokens(0, 40))
     table = allocation.table
     assert table.group_block_ids() == ([0, 1, 2], [0, 1, 2])
@@ -138,11 +143,20 @@ def test_memory_budget_splits_by_a_full_length_request() -> None:
     full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512)
     assert full.num_blocks == 1_000_000 * 32_000 // 96_000 // 1000 == 333
     assert sliding.num_blocks == 1_000_000 * 64_000 // 96_000 // 2000 == 333
-    # A sliding group that never holds more than its window (ceil(8/16) + 1 = 2 blocks) while
-    # prefilling: 32 blocks of 1000 against 2 of 2000.
-    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, max_prefill_blocks=0)
+    # Prompts in chunks of 16: the sliding group holds at most ceil((8 + 16)/16) + 1 = 3 blocks,
+    # 32 blocks of 1000 against 3 of 2000: the full group gets 2.5x the blocks it had.
+    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, chunk_tokens=16)
+    assert full.num_blocks == 1_000_000 * 32_000 // 38_000 // 1000 == 842
+    assert sliding.num_blocks == 1_000_000 * 6_000 // 38_000 // 2000 == 78
+    # A prompt that arrives whole (chunk 0): the window alone, ceil(8/16) + 1 = 2 blocks.
+    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, chunk_tokens=0)
     assert full.num_blocks == 1_000_000 * 32_000 // 36_000 // 1000 == 888
     assert sliding.num_blocks == 1_000_000 * 4_000 // 36_000 // 2000 == 55
+    # 4 beams: each decodes with its own 2 window blocks (8 > the chunk's 3); the full group's
+    # 512 tokens are 32 whole blocks, shared.
+    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, chunk_tokens=16, beam_width=4)
+    assert full.num_blocks == 1_000_000 * 32_000 // 48_000 // 1000 == 666
+    assert sliding.num_blocks == 1_000_000 * 16_000 // 48_000 // 2000 == 166
     by_count = group_cache_configs(CacheConfig(T, 64), groups, [1000, 2000], 512)
     assert [config.num_blocks for config in by_count] == [64, 64]
     (one,) = group_cache_configs(cache, groups[:1], [1000], 512)

@@ -141,6 +141,49 @@ def test_a_chunked_prompt_holds_only_its_window_and_chunk_per_sliding_group(
     ]
 
 
+def run_concurrently(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, int]:
+    """Every prompt queued at once, stepped to the end with check_integrity after every step (the
+    scheduler's asserts each request's blocks per group against its bound); returns each request's
+    beams and the most requests that ran (admitted, holding blocks) at once."""
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, params)
+    beams, most_running = {}, 0
+    while len(beams) < len(prompts):
+        for output in engine.step():
+            assert output.error is None, output.error
+            if output.finished:
+                beams[output.request_id] = [(beam.token_ids, beam.score) for beam in output.beams]
+        engine.check_integrity()
+        most_running = max(most_running, len(engine.scheduler.running))
+    assert engine.num_blocks_in_use() == 0
+    return beams, most_running
+
+
+def test_a_memory_budget_admits_more_long_prompts_when_window_aware(checkpoints: dict[str, Path]) -> None:
+    """The bytes of 48 all-full blocks, prompts of 400 tokens (the checkpoint's context is 512) in
+    chunks of 16, 2 beams. All-full: a request needs 25 + 2 x 1 = 27 of 48 blocks, one at a time.
+    Window-aware: the budget splits by a 512-token request's demand, the full group's 32 blocks of
+    1 layer against the sliding group's ceil((8 + 16)/16) + 1 = 3 of 2 layers: 121 full blocks
+    (4 requests' 27) and 11 sliding ones, 4 per request (2 beams x 2): two requests run at once."""
+    directory = checkpoints["gemma3"]
+    page_bytes = make_engine(directory, False).page_bytes  # one all-full block, all 3 layers
+    budget = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (400,), generator=generator).tolist() for _ in range(3)]
+    params = SamplingParams(beam_width=2, max_new_tokens=3, ignore_eos=True)
+    runs = {}
+    for window_aware in (True, False):
+        cache = replace(budget, sliding_window_kv=window_aware)
+        config = EngineConfig(
+            model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
+        )
+        engine = LLMEngine(config)
+        runs[window_aware] = (engine.kv_cache.num_blocks(), *run_concurrently(engine, prompts, params))
+    assert runs[False][0] == (48,) and runs[True][0] == (121, 11)
+    assert runs[False][2] == 1 and runs[True][2] == 2
+    assert runs[True][1] == runs[False][1]  # the same beams, bit for bit
+
+
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_beams_match_transformers_with_chunks_and_prefix_reuse(
     checkpoints: dict[str, Path], family: str
