@@ -187,9 +187,8 @@ class GroupedKVPool:
             for group in groups
         ]
         page_bytes[0] += extra_page_bytes
-        configs = group_cache_configs(
-            cache, groups, page_bytes, model_config.max_position_embeddings, chunk_tokens
-        )
+        split_len = cache.pool_split_tokens or model_config.max_position_embeddings
+        configs = group_cache_configs(cache, groups, page_bytes, split_len, chunk_tokens)
         for config, page in zip(configs, page_bytes, strict=True):
             if config.num_blocks != cache.num_blocks and not cache.is_sized_by_memory:
                 logger.info(

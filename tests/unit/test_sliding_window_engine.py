@@ -172,16 +172,22 @@ def test_a_memory_budget_admits_more_long_prompts_when_window_aware(checkpoints:
     prompts = [torch.randint(3, 90, (400,), generator=generator).tolist() for _ in range(3)]
     params = SamplingParams(beam_width=2, max_new_tokens=3, ignore_eos=True)
     runs = {}
-    for window_aware in (True, False):
-        cache = replace(budget, sliding_window_kv=window_aware)
+    for window_aware, split_len in ((True, None), (False, None), (True, 128)):
+        cache = replace(budget, sliding_window_kv=window_aware, pool_split_tokens=split_len)
         config = EngineConfig(
             model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
         )
         engine = LLMEngine(config)
-        runs[window_aware] = (engine.kv_cache.num_blocks(), *run_concurrently(engine, prompts, params))
-    assert runs[False][0] == (48,) and runs[True][0] == (121, 11)
-    assert runs[False][2] == 1 and runs[True][2] == 2
-    assert runs[True][1] == runs[False][1]  # the same beams, bit for bit
+        runs[window_aware, split_len] = (
+            engine.kv_cache.num_blocks(),
+            *run_concurrently(engine, prompts, params),
+        )
+    full, aware, short_split = runs[False, None], runs[True, None], runs[True, 128]
+    assert full[0] == (48,) and aware[0] == (121, 11)
+    assert full[2] == 1 and aware[2] == 2
+    # Split for 128-token requests: 8 full blocks against 3 sliding ones, (82, 30): all 3 run at once.
+    assert short_split[0] == (82, 30) and short_split[2] == 3
+    assert aware[1] == full[1] == short_split[1]  # the same beams, bit for bit
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
