@@ -10,8 +10,10 @@ Plain Python over the KVCacheManager; the model never appears here. Each `schedu
 3. admits waiting requests first come first served while the batch has room for their beams
    (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
    running requests may still take:
-   floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks, and, for a hybrid model, W free
-   recurrent-state slots. An admitted prompt gets its first chunk in the same step if budget is
+   floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks per full KV group (a sliding one:
+   its window and one chunk while prefilling, W windows while decoding; docs/cache.md), and, for
+   a hybrid model, W free recurrent-state slots. A sliding group takes each chunk's blocks when
+   the chunk is scheduled (KVGroups.extend_for_chunk); short of them the chunk waits a step. An admitted prompt gets its first chunk in the same step if budget is
    left, else in a later one (it holds its blocks meanwhile, and no longer counts as queued);
 4. sheds what the queue's `QueueLimits` do not allow: requests that waited too long, then the
    youngest past the queue's length bound (each fails with `request.error`, holding nothing).
@@ -26,7 +28,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar, cast
 
 from engine.kv_cache import CopyOp, KVCacheManager, OutOfBlocksError
@@ -128,17 +130,34 @@ class Scheduler:
 
     def add_prefill_only(self, request: Request) -> None:
         """A context-side prompt, allocated now (OutOfBlocksError leaves nothing held, as a
-        synchronous prefill always did) and run chunk by chunk in the following steps. It takes
-        no admission turn: the context side never decodes, so it promises no growth."""
+        synchronous prefill always did; sliding groups: only the reused prefix's window, each
+        chunk's blocks when it is scheduled) and run chunk by chunk in the following steps. It takes
+        no admission turn: the context side never decodes, so it promises no growth. Its chunks'
+        sliding blocks must fit next to what the running requests may still take, so that no
+        prompt stalls part-way (else OutOfBlocksError, nothing held)."""
         self._set_formula(request)
         if self.state_pool is not None and self.state_pool.num_free_slots() < request.num_beams:
             raise OutOfStateSlotsError(
                 f"need {request.num_beams} state slots, {self.state_pool.num_free_slots()} free"
             )
         before = self._stats_before()
+        reserved = self.reserved_blocks()
+        stats_before = replace(self.kv_cache.stats)
         allocation = self.kv_cache.allocate_prompt(
             request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs, is_chunked=True
         )
+        request.tables = [allocation.table]
+        growth = request.remaining_blocks()
+        # Only groups the prompt still grows in (its sliding ones): the rest is held already.
+        needed = tuple(rest + grow if grow else 0 for rest, grow in zip(reserved, growth, strict=True))
+        if not self.kv_cache.fits(needed):
+            self.kv_cache.free(allocation.table)
+            request.tables = []
+            self.kv_cache.stats = stats_before
+            raise OutOfBlocksError(
+                f"prompt chunks need up to {list(growth)} more blocks per KV group, "
+                f"{list(self.kv_cache.num_free_group_blocks())} free, {list(reserved)} promised"
+            )
         self._install_prompt(request, allocation, before)
         request.state = RequestState.PREFILLING
         request.times.admitted = time.monotonic()

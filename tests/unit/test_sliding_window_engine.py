@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from engine.kv_cache import HOLE
+from engine.kv_cache import HOLE, OutOfBlocksError
 from engine.kv_groups import pages_to_pull
 from engine.types import PrefillResult, PromptReservation
 from tests.helpers.family_checkpoints import SLIDING_WINDOW, load_reference, write_family_checkpoint
@@ -362,3 +362,42 @@ def test_reuse_needs_only_the_window_and_reports_what_full_layers_could_reuse(
     assert generation.counters().window_pruned_tokens - pruned_before == 32
     counters = generation.counters()
     assert counters.group_names == ("full", "window8") and counters.group_blocks_in_use == (0, 0)
+
+
+def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[str, Path]) -> None:
+    """Prefill-only prompts of 100 tokens in chunks of 16 under the (121, 11)-block split: each
+    may hold 3 sliding blocks at once, so a fourth is refused while three are in their chunks
+    (nothing held), never admitted to stall part-way; once they are pinned (2 window blocks
+    each) it fits."""
+    directory = checkpoints["gemma3"]
+    page_bytes = make_engine(directory, False).page_bytes
+    cache = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True)
+    config = EngineConfig(
+        model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
+    )
+    engine = LLMEngine(config)
+    assert engine.kv_cache.num_blocks() == (121, 11)
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 90, (100,), generator=generator).tolist() for _ in range(4)]
+    for index in range(3):
+        engine.add_prefill(f"p{index}", prompts[index], 4)
+    held = engine.kv_cache.num_group_blocks_in_use()
+    with pytest.raises(OutOfBlocksError, match="promised"):
+        engine.add_prefill("p3", prompts[3], 4)
+    assert engine.kv_cache.num_group_blocks_in_use() == held
+    engine.check_integrity()
+    done = set()
+    while len(done) < 3:
+        for output in engine.step():
+            assert output.error is None and output.prefill is not None
+            done.add(output.request_id)
+        engine.check_integrity()
+        assert engine.kv_cache.num_group_blocks_in_use()[1] <= 9
+    assert engine.kv_cache.num_group_blocks_in_use() == (3 * 7, 3 * 2)  # pinned: the window only
+    engine.add_prefill("p3", prompts[3], 4)
+    engine.check_integrity()
+    for index in range(3):
+        engine.release_prefill(f"p{index}")
+    engine.abort("p3")
+    engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
