@@ -21,7 +21,8 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache import CopyOp
-from engine.kv_groups import KVGroup, group_cache_configs, make_kv_groups
+from engine.kv_group_sizing import group_cache_configs
+from engine.kv_groups import KVGroup, make_kv_groups
 from engine.models.config import ModelConfig
 from engine.region_pages import RegionPages
 from engine.types import KVRegion

@@ -10,7 +10,8 @@ import pytest
 
 from engine.config import CacheConfig
 from engine.kv_cache import HOLE, KVCacheManager, OutOfBlocksError
-from engine.kv_groups import KVGroup, KVGroups, group_cache_configs, make_kv_groups
+from engine.kv_group_sizing import group_cache_configs
+from engine.kv_groups import KVGroup, KVGroups, make_kv_groups
 from engine.prefix_tree import ROOT_KEY, block_key
 
 T = 16
