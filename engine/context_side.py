@@ -96,11 +96,15 @@ class ContextSide:
         try:
             while True:
                 num_tokens = min(request.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+                # Sliding groups take the chunk's blocks now (OutOfBlocksError: aborted below).
+                self.kv_cache.extend_for_chunk(request.tables[0], request.num_computed_tokens + num_tokens)
                 forward = self.runner.forward([self._chunk_input(request, num_tokens)])
                 request.prompt_scores.extend(forward.scores[0])
                 request.num_computed_tokens += num_tokens
                 if request.num_uncomputed_tokens == 0:
                     return self._complete_prefill(request, forward.logprobs[0], forward.model_logprobs[0])
+                # As step() does: publish what is whole, release what the next chunk cannot see.
+                self._commit_prompt(request, request.num_computed_tokens)
         except BaseException:
             self.abort(request_id)
             raise

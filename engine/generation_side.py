@@ -70,7 +70,9 @@ class GenerationSide:
         cache, bound = self.kv_cache, tuple(0 for _ in self.kv_cache.groups)
         if params is not None:
             sizes = (len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width)
-            for need, pool_blocks in zip(cache.blocks_needed(*sizes), cache.num_blocks(), strict=True):
+            # A pulled prompt arrives whole: no chunk, only the first decode query's window.
+            needs = cache.blocks_needed(*sizes, chunk_tokens=0)
+            for need, pool_blocks in zip(needs, cache.num_blocks(), strict=True):
                 check_fits_pool(request_id, f"up to {need} blocks", need, pool_blocks)
             # Its prompt arrives whole: from the first step on it holds what decoding needs.
             bound = cache.blocks_needed(*sizes, is_decoding=True)

@@ -211,20 +211,28 @@ class KVCacheManager:
         block_keys: list[bytes],
         num_reused_blocks: int,
         first_query_position: int | None = None,
+        num_allocated_tokens: int | None = None,
     ) -> PromptAllocation:
         """Sliding group: a prompt reusing its first num_reused_blocks blocks, of which only those
         inside the window of the first query are looked up (is_window_reusable must hold); the
         ones before are HOLEs from the start. first_query_position: default the end of the reused
         prefix (a prefill resumes there); a prompt whose KV arrives whole (a pulled one) passes its
         length, so no block outside the first decode query's window is ever taken. All-or-nothing.
+        num_allocated_tokens: the table covers only tokens [0, num_allocated_tokens) (default the
+        whole prompt); a prefill takes the rest chunk by chunk (append_slots).
 
             block   0 ...... dead-1 | dead ... k-1 | k ........
                     HOLE            | shared       | fresh
         """
         size = self.tokens_per_block
-        num_blocks = -(-len(token_ids) // size)
+        num_tokens = len(token_ids) if num_allocated_tokens is None else num_allocated_tokens
+        if not num_reused_blocks * size <= num_tokens <= len(token_ids):
+            raise ValueError(
+                f"num_allocated_tokens {num_tokens} outside [{num_reused_blocks * size}, {len(token_ids)}]"
+            )
+        num_blocks = -(-num_tokens // size)
         query = num_reused_blocks * size if first_query_position is None else first_query_position
-        dead = min(self.num_out_of_window_blocks(query), num_blocks - 1)
+        dead = max(0, min(self.num_out_of_window_blocks(query), num_blocks - 1))
         nodes = [self.tree.node(key) for key in block_keys[dead:num_reused_blocks]]
         shared_ids = [node.block_id for node in nodes if node is not None]
         if len(shared_ids) != max(0, num_reused_blocks - dead):
@@ -236,7 +244,7 @@ class KVCacheManager:
             raise OutOfBlocksError(f"prompt needs {num_fresh} new blocks, {num_available} available")
         for block_id in shared_ids:
             self.allocator.incref(block_id)
-        table = BlockTable([HOLE] * dead + shared_ids + self.allocator.allocate(num_fresh), len(token_ids))
+        table = BlockTable([HOLE] * dead + shared_ids + self.allocator.allocate(num_fresh), num_tokens)
         self.stats.prompt_tokens += len(token_ids)
         self.stats.reused_tokens += num_reused_blocks * size
         self.stats.new_blocks += num_fresh
@@ -448,8 +456,10 @@ class KVCacheManager:
             )
             num_holes = table.block_ids.count(HOLE)
             assert table.block_ids[:num_holes] == [HOLE] * num_holes, f"holes not leading: {table.block_ids}"
-            # The newest token's query (position num_tokens - 1) may still run: its window stays.
-            num_dead = self.num_out_of_window_blocks(max(table.num_tokens - 1, 0))
+            # Holes come from release_out_of_window(q) with q <= num_tokens: a decode step's
+            # (q = its new token, num_tokens - 1), a prompt's after a chunk or at its end (q = the
+            # next query, num_tokens: a chunk-by-chunk table ends where it has been computed).
+            num_dead = self.num_out_of_window_blocks(table.num_tokens)
             assert num_holes <= num_dead, (
                 f"a hole inside the window: {table.block_ids} ({table.num_tokens} tokens)"
             )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from engine.block_allocator import BlockAllocator, OutOfBlocksError
 from engine.config import CacheConfig
 from engine.kv_cache import HOLE, BlockTable, CopyOp, KVCacheManager, KVCacheStats, PromptAllocation
+from engine.kv_group_sizing import sliding_blocks_needed
 from engine.prefix_tree import ROOT_KEY, PrefixTree, block_key
 
 BlockCounts = tuple[int, ...]  # one count per group, in group order
@@ -49,54 +50,19 @@ def make_kv_groups(
     return tuple(groups)
 
 
-def group_cache_configs(
-    cache: CacheConfig,
-    groups: Sequence[KVGroup],
-    page_bytes: Sequence[int],
-    max_len: int,
-    max_prefill_blocks: int | None = None,
-) -> list[CacheConfig]:
-    """Each group's cache config, its num_blocks fitted to its share of the memory budget.
-
-    One group: cache.fitted_to(its page bytes), as a one-pool cache always was. Sized by a block
-    count (no max_pool_bytes): every group gets num_blocks. Sized by memory: the budget is split in
-    proportion to what one request of max_len tokens holds at its peak in each group (its blocks
-    times its page bytes), then each share is divided by the group's page bytes. A sliding group
-    holds at most ceil(W/T) + 1 blocks while decoding but, while its prompt is prefilled, the
-    blocks allocated for it: max_prefill_blocks (None: the whole prompt, as admission allocates it
-    today, so a sliding group gets as many blocks as a full one)."""
-    if len(groups) == 1:
-        return [cache.fitted_to(page_bytes[0])]
-    if cache.max_pool_bytes is None:
-        return [cache for _ in groups]
-    size = cache.tokens_per_block
-    num_blocks = -(-max_len // size)
-    prefill_blocks = num_blocks if max_prefill_blocks is None else max_prefill_blocks
-    demands = [
-        (
-            num_blocks
-            if group.window is None
-            else min(num_blocks, max(prefill_blocks, -(-group.window // size) + 1))
-        )
-        * page
-        for group, page in zip(groups, page_bytes, strict=True)
-    ]
-    total = sum(demands)
-    return [
-        replace(cache, max_pool_bytes=max(1, cache.max_pool_bytes * demand // total)).fitted_to(page)
-        for demand, page in zip(demands, page_bytes, strict=True)
-    ]
-
-
 @dataclass
 class GroupedTable:
     """One sequence's tables, tables[g] in group g; every table holds num_tokens tokens."""
 
     tables: list[BlockTable]
+    # A prompt being prefilled chunk by chunk: its length. Its full groups hold it whole, its
+    # sliding groups only up to the chunk that runs next (extend_for_chunk). 0: every table
+    # holds num_tokens (a decoding beam, a pulled or pinned prompt).
+    prompt_len: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.tables[0].num_tokens
+        return self.prompt_len or self.tables[0].num_tokens
 
     @property
     def block_ids(self) -> list[int]:
@@ -235,24 +201,36 @@ class KVGroups:
         return tuple(manager.allocator.num_cached_blocks() for manager in self.managers)
 
     def blocks_needed(
-        self, prompt_len: int, total_len: int, beam_width: int, is_decoding: bool = False
+        self,
+        prompt_len: int,
+        total_len: int,
+        beam_width: int,
+        is_decoding: bool = False,
+        chunk_tokens: int | None = None,
     ) -> BlockCounts:
         """Per group, the most blocks one request holds at once (docs/cache.md, admission bound).
 
-        A sliding group holds the whole prompt while it is prefilled, then at most ceil(W/T) + 1
-        blocks per beam (the previous query's window and the new token's block). is_decoding: the
-        bound from the first decode step on (the prompt phase is over)."""
-        size = self.tokens_per_block
+        A sliding group holds, while its prompt is prefilled in chunks of at most chunk_tokens
+        (None: whole), the first query's window and the chunk; then at most ceil(W/T) + 1 blocks
+        per beam (sliding_blocks_needed). A pulled prompt passes chunk_tokens 0: it arrives whole
+        and takes only the first decode query's window. is_decoding: the bound from the first
+        decode step on (the prompt phase is over)."""
         counts = []
         for manager, group in zip(self.managers, self.groups, strict=True):
             full = manager.blocks_needed(prompt_len, total_len, beam_width)
             if group.window is None:
                 counts.append(full)
                 continue
-            num_total = -(-max(total_len, prompt_len) // size)
-            per_beam = min(num_total, -(-group.window // size) + 1)
-            prefill = 0 if is_decoding else -(-prompt_len // size)
-            counts.append(min(full, max(prefill, beam_width * per_beam)))
+            sliding = sliding_blocks_needed(
+                group.window,
+                self.tokens_per_block,
+                prompt_len,
+                total_len,
+                beam_width,
+                chunk_tokens,
+                is_decoding,
+            )
+            counts.append(min(full, sliding))
         return tuple(counts)
 
     def fits(self, needed: BlockCounts, available: BlockCounts | None = None) -> bool:
@@ -273,9 +251,12 @@ class KVGroups:
         prune_to_snapshots: bool | None = None,
         reuse_prefix: bool = True,
         first_query_position: int | None = None,
+        is_chunked: bool = False,
     ) -> GroupedAllocation:
         """Every group's blocks for a prompt, all reusing the same prefix. All-or-nothing.
         first_query_position: KVCacheManager.allocate_window_prompt's (a pulled prompt: its length).
+        is_chunked: a prompt the caller prefills here chunk by chunk: its sliding groups take only
+        the reused prefix's window now, each chunk's blocks come with extend_for_chunk.
 
         No window: KVCacheManager.allocate_prompt. With sliding groups, whole blocks only
         (plan_reuse): the full groups share the reused blocks, each sliding group only those its
@@ -303,8 +284,9 @@ class KVGroups:
                     )
                 else:
                     allocation = manager.allocate_window_prompt(
-                        token_ids, plan.block_keys, plan.num_blocks, first_query_position
-                    )
+                        token_ids, plan.block_keys, plan.num_blocks, first_query_position,
+                        num_tokens if is_chunked else None,
+                    )  # fmt: skip
                 allocations.append(allocation)
         except OutOfBlocksError:
             for manager, allocation, stats in zip(self.managers, allocations, before, strict=False):
@@ -312,8 +294,11 @@ class KVGroups:
                 manager.stats = stats
             raise
         self._add_deltas(before, count_lookups=True)
+        table = GroupedTable([allocation.table for allocation in allocations])
+        if is_chunked and len(token_ids) > num_tokens:
+            table.prompt_len = len(token_ids)
         return GroupedAllocation(
-            GroupedTable([allocation.table for allocation in allocations]), num_tokens, plan.num_blocks,
+            table, num_tokens, plan.num_blocks,
             tuple(allocation.copies for allocation in allocations), num_tokens, None,
             plan.full_attention_tokens, plan.window_tokens,
         )  # fmt: skip
@@ -409,6 +394,31 @@ class KVGroups:
                 raise OutOfBlocksError(f"beams need {num_copies} new blocks in KV group {group}")
 
     # -- growth and release ------------------------------------------------------------------
+    def extend_for_chunk(self, table: GroupedTable, end: int) -> int:
+        """A chunked prompt's sliding groups take the blocks up to token `end` (the end of the
+        chunk about to run); the blocks before it that its first query cannot see were released
+        after the previous chunk. All-or-nothing across groups; returns the blocks taken.
+        A table that is not being prefilled chunk by chunk (prompt_len 0) holds them already."""
+        if not table.prompt_len:
+            return 0
+        if not 0 < end <= table.prompt_len:
+            raise ValueError(f"chunk end {end} outside (0, {table.prompt_len}]")
+        size = self.tokens_per_block
+        needed = tuple(max(0, -(-end // size) - len(group_table.block_ids)) for group_table in table.tables)
+        if not self.fits(needed):
+            raise OutOfBlocksError(
+                f"prompt chunk needs {list(needed)} blocks per KV group, "
+                f"{list(self.num_free_group_blocks())} free"
+            )
+        before = [replace(manager.stats) for manager in self.managers]
+        for manager, group_table in zip(self.managers, table.tables, strict=True):
+            if group_table.num_tokens < end:
+                manager.append_slots(group_table, end - group_table.num_tokens)
+        self._add_deltas(before)
+        if all(group_table.num_tokens == table.prompt_len for group_table in table.tables):
+            table.prompt_len = 0  # whole in every group: a plain table from now on
+        return sum(needed)
+
     def append_slots(self, table: GroupedTable, num_tokens: int = 1) -> None:
         """One more slot in every group, then the blocks the new token's query no longer sees are
         released. All-or-nothing across groups."""
@@ -471,5 +481,17 @@ class KVGroups:
             assert len(table.tables) == self.num_groups, (
                 f"{len(table.tables)} tables for {self.num_groups} groups"
             )
+            if table.prompt_len:
+                # Chunked prefill: full groups hold the whole prompt, sliding ones a prefix of it.
+                for kv_group, group_table in zip(self.groups, table.tables, strict=True):
+                    if kv_group.window is None:
+                        assert group_table.num_tokens == table.prompt_len, (
+                            f"full group holds {group_table.num_tokens} of {table.prompt_len} tokens"
+                        )
+                    else:
+                        assert group_table.num_tokens <= table.prompt_len, (
+                            f"sliding group holds {group_table.num_tokens} > {table.prompt_len} tokens"
+                        )
+                continue
             counts = {group_table.num_tokens for group_table in table.tables}
             assert len(counts) == 1, f"groups disagree on num_tokens: {counts}"

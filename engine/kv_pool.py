@@ -21,7 +21,8 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache import CopyOp
-from engine.kv_groups import KVGroup, group_cache_configs, make_kv_groups
+from engine.kv_group_sizing import group_cache_configs
+from engine.kv_groups import KVGroup, make_kv_groups
 from engine.models.config import ModelConfig
 from engine.region_pages import RegionPages
 from engine.types import KVRegion
@@ -175,17 +176,20 @@ class GroupedKVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         extra_page_bytes: int = 0,
+        chunk_tokens: int | None = None,
     ) -> PoolLayout:
         """The model's KV groups (make_kv_groups, honouring cache.sliding_window_kv), the memory
         budget split between them (group_cache_configs) and one pool per group. extra_page_bytes:
-        stored next to each group-0 page (a hybrid's state snapshot) and counted in its size."""
+        stored next to each group-0 page (a hybrid's state snapshot) and counted in its size.
+        chunk_tokens: the most prompt tokens one forward pass feeds (a sliding group's demand)."""
         groups = make_kv_groups(model_config.kv_layer_windows, cache.sliding_window_kv)
         page_bytes = [
             KVPool.page_bytes_for(model_config, cache.tokens_per_block, dtype, len(group.layer_indices))
             for group in groups
         ]
         page_bytes[0] += extra_page_bytes
-        configs = group_cache_configs(cache, groups, page_bytes, model_config.max_position_embeddings)
+        split_len = cache.pool_split_tokens or model_config.max_position_embeddings
+        configs = group_cache_configs(cache, groups, page_bytes, split_len, chunk_tokens)
         for config, page in zip(configs, page_bytes, strict=True):
             if config.num_blocks != cache.num_blocks and not cache.is_sized_by_memory:
                 logger.info(

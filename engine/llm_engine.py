@@ -57,7 +57,7 @@ class LLMEngine(ContextSide, GenerationSide):
         # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
         layout = GroupedKVPool.build(
             self.model_config, config.cache, model.dtype, config.device,
-            StatePool.state_bytes_for(self.model_config, model.dtype),
+            StatePool.state_bytes_for(self.model_config, model.dtype), config.max_num_batched_tokens,
         )  # fmt: skip
         cache_config, page_bytes = layout.cache_configs[0], layout.group_page_bytes[0]
         self.config = replace(config, cache=cache_config)  # the pool size found at run time

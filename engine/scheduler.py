@@ -10,8 +10,10 @@ Plain Python over the KVCacheManager; the model never appears here. Each `schedu
 3. admits waiting requests first come first served while the batch has room for their beams
    (`max_num_seqs`) and the pool has room for their DESIGN.md block bound on top of what the
    running requests may still take:
-   floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks, and, for a hybrid model, W free
-   recurrent-state slots. An admitted prompt gets its first chunk in the same step if budget is
+   floor(P/T) + W * (ceil(S/T) - floor(P/T)) - reused blocks per full KV group (a sliding one:
+   its window and one chunk while prefilling, W windows while decoding; docs/cache.md), and, for
+   a hybrid model, W free recurrent-state slots. A sliding group takes each chunk's blocks when
+   the chunk is scheduled (KVGroups.extend_for_chunk); short of them the chunk waits a step. An admitted prompt gets its first chunk in the same step if budget is
    left, else in a later one (it holds its blocks meanwhile, and no longer counts as queued);
 4. sheds what the queue's `QueueLimits` do not allow: requests that waited too long, then the
    youngest past the queue's length bound (each fails with `request.error`, holding nothing).
@@ -26,7 +28,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar, cast
 
 from engine.kv_cache import CopyOp, KVCacheManager, OutOfBlocksError
@@ -128,17 +130,34 @@ class Scheduler:
 
     def add_prefill_only(self, request: Request) -> None:
         """A context-side prompt, allocated now (OutOfBlocksError leaves nothing held, as a
-        synchronous prefill always did) and run chunk by chunk in the following steps. It takes
-        no admission turn: the context side never decodes, so it promises no growth."""
+        synchronous prefill always did; sliding groups: only the reused prefix's window, each
+        chunk's blocks when it is scheduled) and run chunk by chunk in the following steps. It takes
+        no admission turn: the context side never decodes, so it promises no growth. Its chunks'
+        sliding blocks must fit next to what the running requests may still take, so that no
+        prompt stalls part-way (else OutOfBlocksError, nothing held)."""
         self._set_formula(request)
         if self.state_pool is not None and self.state_pool.num_free_slots() < request.num_beams:
             raise OutOfStateSlotsError(
                 f"need {request.num_beams} state slots, {self.state_pool.num_free_slots()} free"
             )
         before = self._stats_before()
+        reserved = self.reserved_blocks()
+        stats_before = replace(self.kv_cache.stats)
         allocation = self.kv_cache.allocate_prompt(
-            request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs
+            request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs, is_chunked=True
         )
+        request.tables = [allocation.table]
+        growth = request.remaining_blocks()
+        # Only groups the prompt still grows in (its sliding ones): the rest is held already.
+        needed = tuple(rest + grow if grow else 0 for rest, grow in zip(reserved, growth, strict=True))
+        if not self.kv_cache.fits(needed):
+            self.kv_cache.free(allocation.table)
+            request.tables = []
+            self.kv_cache.stats = stats_before
+            raise OutOfBlocksError(
+                f"prompt chunks need up to {list(growth)} more blocks per KV group, "
+                f"{list(self.kv_cache.num_free_group_blocks())} free, {list(reserved)} promised"
+            )
         self._install_prompt(request, allocation, before)
         request.state = RequestState.PREFILLING
         request.times.admitted = time.monotonic()
@@ -193,7 +212,7 @@ class Scheduler:
         for request in prefilling:
             if self._prefill_budget(batch) == 0:
                 break
-            batch.prefills.append(self._next_chunk(request, batch))
+            self._add_chunk(request, batch)
         self._admit(batch)
         self._shed_waiting(batch)
         if batch.is_empty and self.running and not blocks_held_elsewhere:
@@ -248,7 +267,7 @@ class Scheduler:
             request.times.admitted = time.monotonic()
             self.running.append(request)
             if self._prefill_budget(batch) > 0:
-                batch.prefills.append(self._next_chunk(request, batch))
+                self._add_chunk(request, batch)
 
     def _prefill_budget(self, batch: ScheduledBatch) -> int:
         """Prompt tokens this step may still feed."""
@@ -256,9 +275,17 @@ class Scheduler:
             return 1 << 62
         return max(0, self.max_num_batched_tokens - batch.num_tokens)
 
-    def _next_chunk(self, request: Request, batch: ScheduledBatch) -> PrefillChunk:
+    def _add_chunk(self, request: Request, batch: ScheduledBatch) -> None:
+        """The prompt's next chunk joins the batch once its sliding groups hold the chunk's blocks
+        (KVGroups.extend_for_chunk); short of blocks, it waits for a later step."""
         num_tokens = min(request.num_uncomputed_tokens, self._prefill_budget(batch))
-        return PrefillChunk(request, request.num_computed_tokens, num_tokens)
+        end = request.num_computed_tokens + num_tokens
+        try:
+            self._counted(request, functools.partial(self.kv_cache.extend_for_chunk, request.tables[0], end))
+        except OutOfBlocksError:
+            return
+        self._note_blocks(request)
+        batch.prefills.append(PrefillChunk(request, request.num_computed_tokens, num_tokens))
 
     def _shed_waiting(self, batch: ScheduledBatch) -> None:
         """Fail waiting requests past the queue's bounds; they hold no block, so nothing is freed."""
@@ -291,8 +318,9 @@ class Scheduler:
         before = self._stats_before()
         try:
             allocation = self.kv_cache.allocate_prompt(
-                request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs
-            )
+                request.prompt_ids, request.salt, reuse_prefix=not request.wants_prompt_logprobs,
+                is_chunked=True,
+            )  # fmt: skip
         except OutOfBlocksError:
             return False
         request.tables = [allocation.table]
@@ -375,6 +403,12 @@ class Scheduler:
             # Beams move in lockstep: k decided tokens means k - 1 fed (k once grown for the next).
             fed = request.prompt_len + max(request.num_steps - 1, 0)
             assert all(table.num_tokens in (fed, fed + 1) for table in request.tables), request.request_id
+            if request.state is RequestState.PREFILLING:
+                # Sliding groups hold the prompt up to the chunk that runs next, at least what ran.
+                assert all(
+                    group_table.num_tokens >= request.num_computed_tokens
+                    for group_table in request.tables[0].tables
+                ), request.request_id
             assert request.peak_blocks <= request.formula_blocks, f"{request.request_id} exceeds its bound"
             bound = (
                 request.decode_group_blocks
@@ -392,8 +426,9 @@ class Scheduler:
     def _set_formula(self, request: Request) -> None:
         max_new_tokens = 0 if request.is_prefill_only else request.params.max_new_tokens
         total_len = request.prompt_len + max_new_tokens
+        # Prompts run in chunks of at most max_num_batched_tokens (None: whole).
         request.formula_group_blocks = self.kv_cache.blocks_needed(
-            request.prompt_len, total_len, request.num_beams
+            request.prompt_len, total_len, request.num_beams, chunk_tokens=self.max_num_batched_tokens
         )
         request.decode_group_blocks = self.kv_cache.blocks_needed(
             request.prompt_len, total_len, request.num_beams, is_decoding=True

@@ -73,6 +73,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         "every layer, the layout before KV groups; both sides of a deployment must agree)",
     )
     group.add_argument(
+        "--kv-split-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a KV memory budget is split between the full and the sliding-window pools for one "
+        "request of N tokens (default: the model's context length); a smaller N gives the sliding "
+        "pools more blocks (short prompts), a larger one the full pool (long prompts): docs/cache.md",
+    )
+    group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
     )
     group.add_argument(
@@ -109,6 +118,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_partial_reuse=args.enable_partial_reuse,
             enable_partial_commit=args.enable_partial_commit,
             sliding_window_kv=getattr(args, "sliding_window_kv", True),
+            pool_split_tokens=getattr(args, "kv_split_tokens", None),
         ),
         **extra,
     )

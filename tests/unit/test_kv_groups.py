@@ -10,7 +10,8 @@ import pytest
 
 from engine.config import CacheConfig
 from engine.kv_cache import HOLE, KVCacheManager, OutOfBlocksError
-from engine.kv_groups import KVGroup, KVGroups, group_cache_configs, make_kv_groups
+from engine.kv_group_sizing import group_cache_configs
+from engine.kv_groups import KVGroup, KVGroups, make_kv_groups
 from engine.prefix_tree import ROOT_KEY, block_key
 
 T = 16
@@ -109,6 +110,11 @@ def test_group_bounds_and_all_or_nothing_growth() -> None:
     assert cache.blocks_needed(40, 52, 3, is_decoding=True) == (8, 6)
     assert cache.blocks_needed(100, 101, 1) == (7, 7)
     assert cache.blocks_needed(100, 101, 1, is_decoding=True) == (7, 2)
+    # In chunks of at most 20: the first query's window and the chunk, ceil((8 + 20)/16) + 1.
+    assert cache.blocks_needed(100, 101, 1, chunk_tokens=20) == (7, 3)
+    assert cache.blocks_needed(100, 101, 4, chunk_tokens=20) == (7 + 3, 8)  # 4 beams x 2 blocks
+    assert cache.blocks_needed(20, 21, 1, chunk_tokens=64) == (2, 2)  # never past the prompt's
+    assert cache.blocks_needed(100, 101, 1, chunk_tokens=0) == (7, 2)  # a pulled prompt
     allocation = cache.allocate_prompt(tokens(0, 40))
     table = allocation.table
     assert table.group_block_ids() == ([0, 1, 2], [0, 1, 2])
@@ -138,11 +144,20 @@ def test_memory_budget_splits_by_a_full_length_request() -> None:
     full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512)
     assert full.num_blocks == 1_000_000 * 32_000 // 96_000 // 1000 == 333
     assert sliding.num_blocks == 1_000_000 * 64_000 // 96_000 // 2000 == 333
-    # A sliding group that never holds more than its window (ceil(8/16) + 1 = 2 blocks) while
-    # prefilling: 32 blocks of 1000 against 2 of 2000.
-    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, max_prefill_blocks=0)
+    # Prompts in chunks of 16: the sliding group holds at most ceil((8 + 16)/16) + 1 = 3 blocks,
+    # 32 blocks of 1000 against 3 of 2000: the full group gets 2.5x the blocks it had.
+    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, chunk_tokens=16)
+    assert full.num_blocks == 1_000_000 * 32_000 // 38_000 // 1000 == 842
+    assert sliding.num_blocks == 1_000_000 * 6_000 // 38_000 // 2000 == 78
+    # A prompt that arrives whole (chunk 0): the window alone, ceil(8/16) + 1 = 2 blocks.
+    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, chunk_tokens=0)
     assert full.num_blocks == 1_000_000 * 32_000 // 36_000 // 1000 == 888
     assert sliding.num_blocks == 1_000_000 * 4_000 // 36_000 // 2000 == 55
+    # 4 beams: each decodes with its own 2 window blocks (8 > the chunk's 3); the full group's
+    # 512 tokens are 32 whole blocks, shared.
+    full, sliding = group_cache_configs(cache, groups, [1000, 2000], 512, chunk_tokens=16, beam_width=4)
+    assert full.num_blocks == 1_000_000 * 32_000 // 48_000 // 1000 == 666
+    assert sliding.num_blocks == 1_000_000 * 16_000 // 48_000 // 2000 == 166
     by_count = group_cache_configs(CacheConfig(T, 64), groups, [1000, 2000], 512)
     assert [config.num_blocks for config in by_count] == [64, 64]
     (one,) = group_cache_configs(cache, groups[:1], [1000], 512)
@@ -159,4 +174,47 @@ def test_one_full_group_reports_the_same_figure_twice() -> None:
     assert second.full_attention_reusable_tokens == second.window_reusable_tokens == 32
     cache.free(first.table)
     cache.free(second.table)
+    cache.check_integrity([])
+
+
+def test_a_chunked_prompt_takes_its_sliding_blocks_chunk_by_chunk() -> None:
+    groups = (KVGroup(None, (1,)), KVGroup(WINDOW, (0, 2)))
+    cache = KVGroups([CacheConfig(T, 16), CacheConfig(T, 5)], groups)
+    prompt = tokens(0, 70)
+    first = cache.allocate_prompt(prompt)
+    cache.commit(first.table, prompt)
+    cache.free(first.table)
+    # 40 tokens shared, then 30 others: reuse stops at 32 (whole blocks). The full group takes the
+    # whole prompt; the sliding group looks up only block 1 (the window of query 32) and takes
+    # nothing past the reused prefix yet.
+    allocation = cache.allocate_prompt(prompt[:40] + tokens(500, 30), is_chunked=True)
+    table = allocation.table
+    assert allocation.num_cached_tokens == 32 and table.num_tokens == table.prompt_len == 70
+    assert table.group_block_ids() == ([0, 1, 4, 5, 6], [HOLE, 1])
+    cache.check_integrity([table])
+    with pytest.raises(ValueError, match="chunk end 71"):
+        cache.extend_for_chunk(table, 71)
+    # Chunk [32, 52): blocks 2 and 3 more; then query 52 no longer sees block 1.
+    assert cache.extend_for_chunk(table, 52) == 2
+    assert table.group_block_ids() == ([0, 1, 4, 5, 6], [HOLE, 1, 4, 3])
+    cache.check_integrity([table])
+    assert cache.release_out_of_window(table, 52) == 1
+    assert table.group_block_ids()[1] == [HOLE, HOLE, 4, 3]
+    # Another prompt takes the sliding group's last 3 blocks: the next chunk must wait, and a
+    # failed extension changes nothing in any group.
+    other = cache.allocate_prompt(tokens(900, 36), is_chunked=True)
+    assert other.table.group_block_ids()[1] == []
+    assert cache.extend_for_chunk(other.table, 36) == 3
+    assert cache.num_free_group_blocks()[1] == 0
+    before = table.group_block_ids()
+    with pytest.raises(OutOfBlocksError):
+        cache.extend_for_chunk(table, 70)
+    assert table.group_block_ids() == before and table.prompt_len == 70
+    cache.check_integrity([table, other.table])
+    cache.free(other.table)
+    assert cache.extend_for_chunk(table, 70) == 1
+    # Whole in every group: a plain table again, as a decode step expects.
+    assert table.prompt_len == 0 and table.num_tokens == 70 and len(table.group_block_ids()[1]) == 5
+    cache.check_integrity([table])
+    cache.free(table)
     cache.check_integrity([])

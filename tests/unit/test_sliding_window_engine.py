@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from engine.kv_cache import HOLE
+from engine.kv_cache import HOLE, OutOfBlocksError
 from engine.kv_groups import pages_to_pull
 from engine.types import PrefillResult, PromptReservation
 from tests.helpers.family_checkpoints import SLIDING_WINDOW, load_reference, write_family_checkpoint
@@ -102,6 +102,92 @@ def test_gemma3_blocks_held_per_group(checkpoints: dict[str, Path]) -> None:
     assert [(beam.token_ids, beam.score) for beam in beams] == [
         (beam.token_ids, beam.score) for beam in full_beams
     ]
+
+
+@pytest.mark.parametrize("window_aware", [True, False])
+def test_a_chunked_prompt_holds_only_its_window_and_chunk_per_sliding_group(
+    checkpoints: dict[str, Path], window_aware: bool
+) -> None:
+    """A 100-token prompt in chunks of 20 (window 8, blocks 16): at each chunk's forward the full
+    group holds the whole prompt, the sliding group only the blocks the chunk writes and those its
+    first query still sees, at most ceil((8 + 20)/16) + 1 = 3 (ceil(100/16) = 7 before)."""
+    engine = make_engine(checkpoints["gemma3"], window_aware, max_num_seqs=2, max_num_batched_tokens=20)
+    forward = engine.runner.forward
+    held: list[tuple[int, tuple[int, ...]]] = []
+
+    def recording_forward(seqs):  # type: ignore[no-untyped-def]
+        for request in engine.scheduler.running:
+            held.append((request.num_computed_tokens, request.num_group_blocks_held()))
+        return forward(seqs)
+
+    engine.runner.forward = recording_forward  # type: ignore[method-assign]
+    prompt = [3 + index % 90 for index in range(100)]
+    params = SamplingParams(beam_width=2, max_new_tokens=4, ignore_eos=True)
+    beams, _ = run_recording_blocks(engine, prompt, params)
+    if window_aware:
+        # chunk [0, 20): blocks 0, 1; [20, 40): query 20 still sees block 0, blocks 0..2; [40, 60):
+        # blocks 2, 3; [60, 80): 3, 4; [80, 100): 4..6. Then 2 beams of ceil(8/16) + 1 blocks.
+        assert held[:5] == [(0, (7, 2)), (20, (7, 3)), (40, (7, 2)), (60, (7, 2)), (80, (7, 3))]
+        assert max(sliding for _, (_, sliding) in held) <= -(-(8 + 20) // T) + 1
+        # Each of the 7 prompt blocks was taken once, when its chunk ran; then the second beam's
+        # copy of the tail (tokens 100..103 stay in block 6: no decode growth).
+        assert engine.kv_cache.managers[1].stats.new_blocks == 7 + 1
+    else:
+        assert held[:5] == [(start, (7,)) for start in range(0, 100, 20)]
+    full_engine = make_engine(checkpoints["gemma3"], False, max_num_seqs=2, max_num_batched_tokens=20)
+    full_beams, _ = run_recording_blocks(full_engine, prompt, params)
+    assert [(beam.token_ids, beam.score) for beam in beams] == [
+        (beam.token_ids, beam.score) for beam in full_beams
+    ]
+
+
+def run_concurrently(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, int]:
+    """Every prompt queued at once, stepped to the end with check_integrity after every step (the
+    scheduler's asserts each request's blocks per group against its bound); returns each request's
+    beams and the most requests that ran (admitted, holding blocks) at once."""
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, params)
+    beams, most_running = {}, 0
+    while len(beams) < len(prompts):
+        for output in engine.step():
+            assert output.error is None, output.error
+            if output.finished:
+                beams[output.request_id] = [(beam.token_ids, beam.score) for beam in output.beams]
+        engine.check_integrity()
+        most_running = max(most_running, len(engine.scheduler.running))
+    assert engine.num_blocks_in_use() == 0
+    return beams, most_running
+
+
+def test_a_memory_budget_admits_more_long_prompts_when_window_aware(checkpoints: dict[str, Path]) -> None:
+    """The bytes of 48 all-full blocks, prompts of 400 tokens (the checkpoint's context is 512) in
+    chunks of 16, 2 beams. All-full: a request needs 25 + 2 x 1 = 27 of 48 blocks, one at a time.
+    Window-aware: the budget splits by a 512-token request's demand, the full group's 32 blocks of
+    1 layer against the sliding group's ceil((8 + 16)/16) + 1 = 3 of 2 layers: 121 full blocks
+    (4 requests' 27) and 11 sliding ones, 4 per request (2 beams x 2): two requests run at once."""
+    directory = checkpoints["gemma3"]
+    page_bytes = make_engine(directory, False).page_bytes  # one all-full block, all 3 layers
+    budget = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (400,), generator=generator).tolist() for _ in range(3)]
+    params = SamplingParams(beam_width=2, max_new_tokens=3, ignore_eos=True)
+    runs = {}
+    for window_aware, split_len in ((True, None), (False, None), (True, 128)):
+        cache = replace(budget, sliding_window_kv=window_aware, pool_split_tokens=split_len)
+        config = EngineConfig(
+            model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
+        )
+        engine = LLMEngine(config)
+        runs[window_aware, split_len] = (
+            engine.kv_cache.num_blocks(),
+            *run_concurrently(engine, prompts, params),
+        )
+    full, aware, short_split = runs[False, None], runs[True, None], runs[True, 128]
+    assert full[0] == (48,) and aware[0] == (121, 11)
+    assert full[2] == 1 and aware[2] == 2
+    # Split for 128-token requests: 8 full blocks against 3 sliding ones, (82, 30): all 3 run at once.
+    assert short_split[0] == (82, 30) and short_split[2] == 3
+    assert aware[1] == full[1] == short_split[1]  # the same beams, bit for bit
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
@@ -276,3 +362,42 @@ def test_reuse_needs_only_the_window_and_reports_what_full_layers_could_reuse(
     assert generation.counters().window_pruned_tokens - pruned_before == 32
     counters = generation.counters()
     assert counters.group_names == ("full", "window8") and counters.group_blocks_in_use == (0, 0)
+
+
+def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[str, Path]) -> None:
+    """Prefill-only prompts of 100 tokens in chunks of 16 under the (121, 11)-block split: each
+    may hold 3 sliding blocks at once, so a fourth is refused while three are in their chunks
+    (nothing held), never admitted to stall part-way; once they are pinned (2 window blocks
+    each) it fits."""
+    directory = checkpoints["gemma3"]
+    page_bytes = make_engine(directory, False).page_bytes
+    cache = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True)
+    config = EngineConfig(
+        model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
+    )
+    engine = LLMEngine(config)
+    assert engine.kv_cache.num_blocks() == (121, 11)
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 90, (100,), generator=generator).tolist() for _ in range(4)]
+    for index in range(3):
+        engine.add_prefill(f"p{index}", prompts[index], 4)
+    held = engine.kv_cache.num_group_blocks_in_use()
+    with pytest.raises(OutOfBlocksError, match="promised"):
+        engine.add_prefill("p3", prompts[3], 4)
+    assert engine.kv_cache.num_group_blocks_in_use() == held
+    engine.check_integrity()
+    done = set()
+    while len(done) < 3:
+        for output in engine.step():
+            assert output.error is None and output.prefill is not None
+            done.add(output.request_id)
+        engine.check_integrity()
+        assert engine.kv_cache.num_group_blocks_in_use()[1] <= 9
+    assert engine.kv_cache.num_group_blocks_in_use() == (3 * 7, 3 * 2)  # pinned: the window only
+    engine.add_prefill("p3", prompts[3], 4)
+    engine.check_integrity()
+    for index in range(3):
+        engine.release_prefill(f"p{index}")
+    engine.abort("p3")
+    engine.check_integrity()
+    assert engine.num_blocks_in_use() == 0
