@@ -188,8 +188,12 @@ class GroupedKVPool:
             for group in groups
         ]
         page_bytes[0] += extra_page_bytes
-        split_len = cache.pool_split_tokens or model_config.max_position_embeddings
-        configs = group_cache_configs(cache, groups, page_bytes, split_len, chunk_tokens)
+        if cache.pool_split_tokens is None:
+            # Every group as many blocks as the all-full pool: never fewer requests admitted than
+            # that layout at any prompt length (docs/cache.md); --kv-split-tokens trades for length.
+            configs = group_cache_configs(cache, groups, page_bytes, model_config.max_position_embeddings)
+        else:
+            configs = group_cache_configs(cache, groups, page_bytes, cache.pool_split_tokens, chunk_tokens)
         for config, page in zip(configs, page_bytes, strict=True):
             if config.num_blocks != cache.num_blocks and not cache.is_sized_by_memory:
                 logger.info(

@@ -77,9 +77,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         type=int,
         default=None,
         metavar="N",
-        help="a KV memory budget is split between the full and the sliding-window pools for one "
-        "request of N tokens (default: the model's context length); a smaller N gives the sliding "
-        "pools more blocks (short prompts), a larger one the full pool (long prompts): docs/cache.md",
+        help="split a KV memory budget between the full-attention and the sliding-window pools by "
+        "what one request of N tokens needs in each: more requests of about N tokens fit, fewer "
+        "much shorter ones (default: every pool the all-full block count, never fewer requests "
+        "than without windows; docs/cache.md has the table)",
     )
     group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"

@@ -162,7 +162,8 @@ def run_concurrently(engine: LLMEngine, prompts: list[list[int]], params: Sampli
 def test_a_memory_budget_admits_more_long_prompts_when_window_aware(checkpoints: dict[str, Path]) -> None:
     """The bytes of 48 all-full blocks, prompts of 400 tokens (the checkpoint's context is 512) in
     chunks of 16, 2 beams. All-full: a request needs 25 + 2 x 1 = 27 of 48 blocks, one at a time.
-    Window-aware: the budget splits by a 512-token request's demand, the full group's 32 blocks of
+    Window-aware by default: every group the all-full count (48, 48), so one at a time too.
+    Split for 512-token requests (--kv-split-tokens 512): the full group's 32 blocks of
     1 layer against the sliding group's ceil((8 + 16)/16) + 1 = 3 of 2 layers: 121 full blocks
     (4 requests' 27) and 11 sliding ones, 4 per request (2 beams x 2): two requests run at once."""
     directory = checkpoints["gemma3"]
@@ -172,7 +173,7 @@ def test_a_memory_budget_admits_more_long_prompts_when_window_aware(checkpoints:
     prompts = [torch.randint(3, 90, (400,), generator=generator).tolist() for _ in range(3)]
     params = SamplingParams(beam_width=2, max_new_tokens=3, ignore_eos=True)
     runs = {}
-    for window_aware, split_len in ((True, None), (False, None), (True, 128)):
+    for window_aware, split_len in ((True, None), (False, None), (True, 512), (True, 128)):
         cache = replace(budget, sliding_window_kv=window_aware, pool_split_tokens=split_len)
         config = EngineConfig(
             model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
@@ -182,12 +183,14 @@ def test_a_memory_budget_admits_more_long_prompts_when_window_aware(checkpoints:
             engine.kv_cache.num_blocks(),
             *run_concurrently(engine, prompts, params),
         )
-    full, aware, short_split = runs[False, None], runs[True, None], runs[True, 128]
+    full, equal, aware, short_split = runs[False, None], runs[True, None], runs[True, 512], runs[True, 128]
+    # The default: every group the all-full count, so never fewer at once than all-full.
+    assert equal[0] == (48, 48) and equal[2] == full[2]
     assert full[0] == (48,) and aware[0] == (121, 11)
     assert full[2] == 1 and aware[2] == 2
     # Split for 128-token requests: 8 full blocks against 3 sliding ones, (82, 30): all 3 run at once.
     assert short_split[0] == (82, 30) and short_split[2] == 3
-    assert aware[1] == full[1] == short_split[1]  # the same beams, bit for bit
+    assert aware[1] == full[1] == short_split[1] == equal[1]  # the same beams, bit for bit
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
@@ -365,13 +368,13 @@ def test_reuse_needs_only_the_window_and_reports_what_full_layers_could_reuse(
 
 
 def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[str, Path]) -> None:
-    """Prefill-only prompts of 100 tokens in chunks of 16 under the (121, 11)-block split: each
+    """Prefill-only prompts of 100 tokens in chunks of 16 under the (121, 11)-block split of --kv-split-tokens 512: each
     may hold 3 sliding blocks at once, so a fourth is refused while three are in their chunks
     (nothing held), never admitted to stall part-way; once they are pinned (2 window blocks
     each) it fits."""
     directory = checkpoints["gemma3"]
     page_bytes = make_engine(directory, False).page_bytes
-    cache = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True)
+    cache = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True, pool_split_tokens=512)
     config = EngineConfig(
         model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
     )
