@@ -404,3 +404,36 @@ def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[
     engine.abort("p3")
     engine.check_integrity()
     assert engine.num_blocks_in_use() == 0
+
+
+def test_eviction_in_a_small_pool_keeps_the_beams_exact(checkpoints: dict[str, Path]) -> None:
+    """8 blocks per group, five 60-token prompts one after the other, the third and fifth sharing
+    48 tokens with the first and second: cached blocks are evicted (the sliding group's, released
+    as soon as they leave the window, too), reuse finds what is left, and every request's beams
+    equal an all-full engine's whose pool of 48 blocks evicts nothing; check_integrity after
+    every step."""
+    directory = checkpoints["gemma3"]
+    cache = CacheConfig(tokens_per_block=T, num_blocks=8)
+    engine = LLMEngine(EngineConfig(model=str(directory), dtype="float64", cache=cache))
+    evictions = [0] * len(engine.kv_cache.managers)
+    for group, manager in enumerate(engine.kv_cache.managers):
+
+        def counting(block_id: int, evict=manager.allocator._on_evict, group: int = group) -> None:  # type: ignore[no-untyped-def]
+            evictions[group] += 1
+            evict(block_id)
+
+        manager.allocator._on_evict = counting
+    generator = torch.Generator().manual_seed(11)
+    first, second, fourth = (torch.randint(3, 90, (60,), generator=generator).tolist() for _ in range(3))
+    tails = [torch.randint(3, 90, (12,), generator=generator).tolist() for _ in range(2)]
+    prompts = [first, second, first[:48] + tails[0], fourth, second[:48] + tails[1]]
+    params = SamplingParams(beam_width=2, max_new_tokens=4, ignore_eos=True)
+    reference = make_engine(directory, False)
+    for prompt in prompts:
+        beams, _ = run_recording_blocks(engine, prompt, params)
+        expected, _ = run_recording_blocks(reference, prompt, params)
+        assert [(beam.token_ids, beam.score) for beam in beams] == [
+            (beam.token_ids, beam.score) for beam in expected
+        ]
+    assert evictions[0] > 0 and evictions[1] > 0, evictions  # both groups evicted cached blocks
+    assert engine.kv_cache.stats.reused_tokens > 0  # and a later prompt still reused a prefix
