@@ -218,15 +218,19 @@ def _plot(held: list[dict[str, Any]], moved: list[dict[str, Any]], path: Path) -
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for axis, rows, key, title in (
-        (axes[0], held, "held_after_prefill_bytes", "KV held after prefill (MiB)"),
+        (axes[0], held, "held_after_prefill_bytes", "KV held after prefill and at peak (MiB)"),
         (axes[1], [row for row in moved if row["beam_width"] == max(r["beam_width"] for r in moved)],
          "transferred_bytes", "KV moved per request (MiB)"),
     ):  # fmt: skip
-        for layout in LAYOUTS:
-            points = sorted(
-                (row["prompt_tokens"], row[key] / 2**20) for row in rows if row["layout"] == layout
+        for layout, marker in zip(LAYOUTS, "os", strict=True):
+            mine = sorted(
+                (row for row in rows if row["layout"] == layout), key=lambda row: row["prompt_tokens"]
             )
-            axis.plot([p for p, _ in points], [b for _, b in points], marker="o", label=layout)
+            lengths = [row["prompt_tokens"] for row in mine]
+            axis.plot(lengths, [row[key] / 2**20 for row in mine], marker + "-", label=layout)
+            if key == "held_after_prefill_bytes":  # the most held at any step of the request
+                peaks = [row["peak_held_bytes"] / 2**20 for row in mine]
+                axis.plot(lengths, peaks, marker + "--", label=f"{layout}, peak")
         axis.set_xlabel("prompt tokens")
         axis.set_title(title)
         axis.legend()
@@ -258,6 +262,7 @@ def run(arguments: argparse.Namespace) -> int:
     for row in held_ratios:
         row["issue_bound"] = round(issue_bound(row["prompt_tokens"], windows, block_size), 4)
         row["within_bound"] = row["ratio"] is not None and row["ratio"] <= row["issue_bound"]
+    peak_ratios = ratio_rows(held, "peak_held_bytes", ["prompt_tokens"])
     moved_ratios = ratio_rows(moved, "transferred_bytes", ["prompt_tokens", "beam_width"]) if moved else []
     independent_of_width = all(
         len({row["transferred_bytes"] for row in moved if (row["layout"], row["prompt_tokens"]) == case}) == 1
@@ -267,7 +272,7 @@ def run(arguments: argparse.Namespace) -> int:
         "benchmark": "kv", "model": arguments.model if not arguments.quick else "quick-gemma3",
         "dtype": DTYPE, "tokens_per_block": block_size, "kv_layer_windows": windows,
         "cpu_flags": _cpu_flags(), "threads": os.cpu_count(),
-        "held": held, "held_ratios": held_ratios, "moved": moved, "moved_ratios": moved_ratios,
+        "held": held, "held_ratios": held_ratios, "peak_ratios": peak_ratios, "moved": moved, "moved_ratios": moved_ratios,
         "goals": {
             "beams_equal_between_layouts": info["beams_equal"],
             "held_within_issue_bound": all(row["within_bound"] for row in held_ratios),
@@ -286,9 +291,10 @@ def run(arguments: argparse.Namespace) -> int:
     if arguments.json:
         print(json.dumps(result, indent=2))
     else:
-        for row in held_ratios:
+        for row, peak in zip(held_ratios, peak_ratios, strict=True):
             print(
-                f"P={row['prompt_tokens']}: held window/all-full {row['ratio']:.3f} (bound {row['issue_bound']})"
+                f"P={row['prompt_tokens']}: held window/all-full {row['ratio']:.3f} (bound {row['issue_bound']}),"
+                f" peak {peak['ratio']:.3f}"
             )
         for row in moved_ratios:
             print(f"P={row['prompt_tokens']} W={row['beam_width']}: moved window/all-full {row['ratio']:.3f}")
