@@ -67,14 +67,12 @@ def ratio_rows(rows: Sequence[dict[str, Any]], key: str, group_by: Sequence[str]
 
 # ---- the run -----------------------------------------------------------------------------------
 def _cpu_flags() -> list[str]:
-    """The vector and matrix flags of /proc/cpuinfo (the held and moved bytes do not depend on them;
-    the run's seconds do)."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
-    )
-    return [flag for flag in wanted if flag in flags]
+    """/proc/cpuinfo's vector and matrix flags, as bench peers reports them (bench/peers_report.py);
+    the held and moved bytes do not depend on them, the run's seconds do."""
+    from beamsplit.cli.bench import _load
+
+    cpuinfo = Path("/proc/cpuinfo")
+    return list(_load("peers_report").cpu_flags(cpuinfo.read_text() if cpuinfo.exists() else ""))
 
 
 def _say(message: str) -> None:
