@@ -1,6 +1,6 @@
 """Continuous batching: which requests run in the next forward pass, and their KV blocks.
 
-Plain Python over the KVCacheManager; the model never appears here. Each `schedule()`:
+Plain Python over the KV groups (engine/kv_groups.py); the model never appears here. Each `schedule()`:
 1. grows every decoding request's tables for its pending step (reorder beams, one slot each),
    all or nothing per call, so a request short of blocks waits and resumes where it stopped;
 2. spends the token budget (`max_num_batched_tokens`): one token per decoding beam first, then
@@ -29,9 +29,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar, cast
+from typing import TypeVar
 
-from engine.kv_cache import CopyOp, KVCacheManager, OutOfBlocksError
+from engine.kv_cache import CopyOp, OutOfBlocksError
 from engine.kv_groups import BlockCounts, GroupedAllocation, GroupedTable, KVGroups
 from engine.request import Request, RequestState
 from engine.state_pool import OutOfStateSlotsError, StatePool
@@ -88,24 +88,17 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
-        kv_cache: KVGroups | KVCacheManager,
+        kv_cache: KVGroups,
         max_num_seqs: int,
-        copy_blocks: Callable[[tuple[list[CopyOp], ...]], None] | Callable[[list[CopyOp]], None],
+        copy_blocks: Callable[[tuple[list[CopyOp], ...]], None],
         state_pool: StatePool | None = None,
         max_num_batched_tokens: int | None = None,
         queue_limits: QueueLimits | None = None,
     ) -> None:
         """max_num_batched_tokens: the token budget of one forward pass (None: no limit, every
-        prompt runs whole). copy_blocks takes one copy list per KV group (KVGroups), or one list
-        (a bare KVCacheManager, which is one group)."""
-        self.copy_blocks: Callable[[tuple[list[CopyOp], ...]], None]
-        if isinstance(kv_cache, KVGroups):
-            self.kv_cache = kv_cache
-            self.copy_blocks = cast(Callable[[tuple[list[CopyOp], ...]], None], copy_blocks)
-        else:
-            self.kv_cache = KVGroups.of_manager(kv_cache)
-            copy_one = cast(Callable[[list[CopyOp]], None], copy_blocks)
-            self.copy_blocks = lambda copies: copy_one(copies[0])
+        prompt runs whole). copy_blocks takes one copy list per KV group."""
+        self.kv_cache = kv_cache
+        self.copy_blocks = copy_blocks
         self.queue_limits = queue_limits or QueueLimits()
         self.max_num_batched_tokens = max_num_batched_tokens
         # Hybrid models: request.state_slot_ids[i] holds running beam i's recurrent state.

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import CacheConfig, SamplingParams
 from engine.kv_cache import KVCacheManager
+from engine.kv_groups import KVGroups
 from engine.models.loader import tiny_hybrid_model_config
 from engine.request import Request, make_decoder
 from engine.scheduler import Scheduler
@@ -152,7 +153,7 @@ def test_state_bytes_round_trip_and_slot_bookkeeping() -> None:
 def test_admission_counts_beam_width_state_slots() -> None:
     cache = KVCacheManager(CacheConfig(tokens_per_block=T, num_blocks=16), has_recurrent_state=True)
     pool = make_pool(5)
-    scheduler = Scheduler(cache, 8, lambda copies: None, pool)
+    scheduler = Scheduler(KVGroups.of_manager(cache), 8, lambda copies: None, pool)
     params = SamplingParams(beam_width=3, max_new_tokens=4)
     requests = [
         Request(f"r{index}", tokens(10, index), params, make_decoder(params, None, 0)) for index in range(2)
