@@ -12,23 +12,13 @@ Prints JSON (ratio = invariant / padded; above 1 means invariance costs) and dra
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-
-def _serve_model() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "bench_serve_model", Path(__file__).with_name("serve_model.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve_model"] = module
-    spec.loader.exec_module(module)
-    return module
+from beamsplit.cli.bench import load_bench_module
 
 
 def _say(message: str) -> None:
@@ -73,7 +63,7 @@ def _decode_step_ms(engine: Any, num_requests: int, beam_width: int, steps: int,
 
 
 def run(arguments: argparse.Namespace) -> int:
-    serve_model = _serve_model()
+    serve_model = load_bench_module("serve_model")
     preset = serve_model.PRESETS["llama-small" if arguments.quick else "llama-156m"]
     model_dir = serve_model.ensure_checkpoint(preset)
     repeats = 1 if arguments.quick else arguments.repeats

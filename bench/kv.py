@@ -69,10 +69,10 @@ def ratio_rows(rows: Sequence[dict[str, Any]], key: str, group_by: Sequence[str]
 def _cpu_flags() -> list[str]:
     """/proc/cpuinfo's vector and matrix flags, as bench peers reports them (bench/peers_report.py);
     the held and moved bytes do not depend on them, the run's seconds do."""
-    from beamsplit.cli.bench import _load
+    from beamsplit.cli.bench import load_bench_module
 
     cpuinfo = Path("/proc/cpuinfo")
-    return list(_load("peers_report").cpu_flags(cpuinfo.read_text() if cpuinfo.exists() else ""))
+    return list(load_bench_module("peers_report").cpu_flags(cpuinfo.read_text() if cpuinfo.exists() else ""))
 
 
 def _say(message: str) -> None:

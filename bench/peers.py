@@ -25,7 +25,6 @@ object and draws bench/out/peers.png.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -36,27 +35,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from beamsplit.cli.bench import load_bench_module
 
-def _sibling(name: str) -> ModuleType:
-    module_name = f"bench_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(
-        module_name, Path(__file__).resolve().with_name(f"{name}.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rules = _sibling("peers_report")
-setup = _sibling("peers_setup")
-serve_model = _sibling("serve_model")
+rules = load_bench_module("peers_report")
+setup = load_bench_module("peers_setup")
+serve_model = load_bench_module("serve_model")
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 SYSTEMS_SCRIPT = Path(__file__).resolve().with_name("peers_systems.py")

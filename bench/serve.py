@@ -22,7 +22,6 @@ pool is not back to 0 blocks in use.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -30,31 +29,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from beamsplit.cli.bench import load_bench_module
 
-def _sibling(name: str) -> ModuleType:
-    """A module next to this one, loaded by path (bench/ must not go on sys.path) and registered in
-    sys.modules (dataclasses look their module up there)."""
-    module_name = f"bench_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(
-        module_name, Path(__file__).resolve().with_name(f"{name}.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-serve_model = _sibling("serve_model")
-workload = _sibling("serve_workload")
-clients = _sibling("serve_clients")
-progress = _sibling("serve_progress")
-report_rules = _sibling("serve_report")
+serve_model = load_bench_module("serve_model")
+workload = load_bench_module("serve_workload")
+clients = load_bench_module("serve_clients")
+progress = load_bench_module("serve_progress")
+report_rules = load_bench_module("serve_report")
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 DTYPE = "float32"
@@ -298,7 +281,7 @@ def run_servers(
 def load_transformers(model_dir: Path, preset: Any, report: dict[str, Any]) -> Any:
     """transformers on the same checkpoint, loaded and warmed up before our servers start (it
     idles while they replay, and runs the greedy request alone next to theirs)."""
-    reference = _sibling("serve_transformers")
+    reference = load_bench_module("serve_transformers")
     _say("loading the model into transformers")
     system = reference.TransformersSystem(
         model_dir, preset.kv_bytes_per_token(DTYPE_BYTES), workload.RequestRecord
@@ -385,7 +368,7 @@ def run_benchmark(arguments: argparse.Namespace) -> tuple[dict[str, Any], int]:
         f"{name}: {value} KV blocks still in use after the run" for name, value in leaked.items()
     ]
     out_dir = Path(arguments.out_dir or OUT_DIR)
-    plots = _sibling("serve_plots")
+    plots = load_bench_module("serve_plots")
     title = (f"{preset.name} ({preset.num_parameters / 1e6:.3g}M, {DTYPE}), {config.num_requests} requests, "
              f"Poisson {config.rate}/s, prompts {config.min_prompt_len}-{config.max_prompt_len}, "
              f"W {list(config.beam_widths)}, {config.max_new_tokens} new tokens")  # fmt: skip

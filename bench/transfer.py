@@ -25,7 +25,6 @@ one core from every measurement, ucx_perftest's included, in earlier versions of
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import select
@@ -33,25 +32,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from beamsplit.cli.bench import load_bench_module
 
-def _sibling(name: str) -> ModuleType:
-    """A module next to this one, loaded by path: bench/ must not go on sys.path, where this
-    file's own name would hide the `transfer` package."""
-    spec = importlib.util.spec_from_file_location(
-        f"bench_{name}", Path(__file__).resolve().with_name(f"{name}.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_references = _sibling("transfer_references")
+_references = load_bench_module("transfer_references")
 NIXL_UCX_PARAMS = _references.NIXL_UCX_PARAMS
 NixlReader = _references.NixlReader
 cma_read_seconds = _references.cma_read_seconds

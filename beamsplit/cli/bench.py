@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import signal
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -39,14 +40,25 @@ BENCHMARKS = (
 )
 
 
-def _load(name: str) -> ModuleType:
+def load_bench_module(name: str) -> ModuleType:
+    """bench/NAME.py, loaded by path once and registered in sys.modules as `bench_NAME` (bench/ must
+    not go on sys.path, where bench/transfer.py would hide the `transfer` package; dataclasses look
+    their module up in sys.modules). The benchmarks load their siblings with it too."""
+    module_name = f"bench_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     path = BENCH_DIR / f"{name}.py"
     if not path.exists():
         raise SystemExit(f"benchmark script {path} not found: run from a checkout of the repository")
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
     return module
 
 
@@ -59,7 +71,7 @@ def _runner(name: str) -> object:
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
-            return int(_load(name).run(arguments))
+            return int(load_bench_module(name).run(arguments))
         finally:
             signal.signal(signal.SIGTERM, previous)
 

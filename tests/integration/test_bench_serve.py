@@ -53,7 +53,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
 
 def test_every_request_made_its_tokens_on_every_system(quick_run: tuple[dict[str, Any], str, Path]) -> None:
     report, _, _ = quick_run
-    serve = bench._load("serve")
+    serve = bench.load_bench_module("serve")
     workload = report["workload"]
     assert workload["num_requests"] == 5 and workload["max_new_tokens"] == serve.QUICK["max_new_tokens"]
     widths = {int(width): count for width, count in workload["requests_per_beam_width"].items()}
@@ -86,7 +86,7 @@ def test_probes_and_the_beam_kv_bound(quick_run: tuple[dict[str, Any], str, Path
         assert kv["shared_prompt_blocks"] + 4 <= kv[f"{name}_peak_blocks"] <= kv["prompt_plus_tails_blocks"]
         assert kv[f"{name}_peak_bytes"] == kv[f"{name}_peak_blocks"] * page_bytes
     ttft = report["ttft_long_prompt_alone"]
-    assert ttft["prompt_tokens"] == bench._load("serve").QUICK["max_prompt_len"]
+    assert ttft["prompt_tokens"] == bench.load_bench_module("serve").QUICK["max_prompt_len"]
     for name in ("disaggregated", "aggregated"):
         assert len(ttft[f"{name}_ttft_ms_all"]) == ttft["repeats"]
     itl = report["single_request_itl"]

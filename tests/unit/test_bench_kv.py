@@ -23,7 +23,7 @@ LAYER_PAGE = 2048  # bytes of one block of one layer in the quick model
 
 @pytest.fixture(scope="module")
 def kv() -> Any:
-    return bench._load("kv")
+    return bench.load_bench_module("kv")
 
 
 def test_issue_bound_for_gemma3_270m(kv: Any) -> None:

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def rules() -> Any:
-    bench._load("peers")  # registers its siblings
+    bench.load_bench_module("peers")  # registers its siblings
     return sys.modules["bench_peers_report"]
 
 

@@ -14,7 +14,7 @@ from beamsplit.cli import bench
 
 @pytest.fixture(scope="module")
 def serve() -> Any:
-    return bench._load("serve")
+    return bench.load_bench_module("serve")
 
 
 def _config(serve: Any, **changes: Any) -> Any:
@@ -176,7 +176,7 @@ def test_an_unmeasured_goal_is_neither_met_nor_failed(serve: Any) -> None:
 
 
 def test_transformers_batches_one_width_and_similar_lengths(serve: Any) -> None:
-    reference = serve._sibling("serve_transformers")
+    reference = bench.load_bench_module("serve_transformers")
     spec = serve.workload.RequestSpec
     waiting = [
         spec(0, 0.0, (5,) * 1000, 2, 8, None),

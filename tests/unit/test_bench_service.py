@@ -13,7 +13,7 @@ from beamsplit.cli import bench
 
 @pytest.fixture(scope="module")
 def service() -> Any:
-    return bench._load("service")
+    return bench.load_bench_module("service")
 
 
 def _sample(e2e: float, aggregated_e2e: float, nbytes: int = 32768, match: bool = True) -> dict[str, Any]:

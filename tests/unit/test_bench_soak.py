@@ -12,7 +12,7 @@ from beamsplit.cli import bench
 
 @pytest.fixture(scope="module")
 def soak() -> Any:
-    return bench._load("soak")
+    return bench.load_bench_module("soak")
 
 
 def test_classify_counts_each_request_once(soak: Any) -> None:
