@@ -3,58 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
-from beamsplit.cli.engine_args import describe_kv_pool, engine_config_from_args
 from beamsplit.server.admission_queue import AdmissionLimits
-from beamsplit.server.fault_hooks import FaultHooks
-from beamsplit.server.metrics import ServerMetrics
-from beamsplit.server.server_common import (
-    ShutdownGate,
-    announce,
-    configure_logging,
-    run_until_signalled,
-    start_grpc_server,
-)
-from beamsplit.server.tls import tls_from_args
-from beamsplit.server.worker_setup import (
-    KV_REGION_NAME,
-    TransferWatchdog,
-    describe_transfer_agent,
-    install_fault_hooks,
-    start_engine,
-    start_transfer_agent,
-    worker_info,
-)
+from beamsplit.server.server_common import ShutdownGate
+from beamsplit.server.worker_process import serve_worker, start_worker_parts
+from beamsplit.server.worker_setup import KV_REGION_NAME
 from beamsplit.v1 import worker_pb2, worker_pb2_grpc
 from context_worker.service import ContextService
 from context_worker.servicer import ContextWorkerServicer
 
-logger = logging.getLogger(__name__)
 SERVICE_NAME = "beamsplit.v1.ContextWorker"
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("context")
-    tls = tls_from_args(args)
-    metrics = ServerMetrics("context")
-    hooks = FaultHooks.from_environment()
-    handle = start_engine(
-        engine_config_from_args(args),
-        metrics,
-        step_delay_s=hooks.step_delay_s,
-        shares_cores=args.shares_cores,
-    )
-    agent = start_transfer_agent(handle, args, hooks)
-    info = worker_info(handle)
+    parts = start_worker_parts("context", args)
+    info, metrics = parts.info, parts.metrics
     service = ContextService(
-        handle.loop,
-        agent,
+        parts.handle.loop,
+        parts.agent,
         KV_REGION_NAME,
         metrics,
         default_lease_s=args.lease_s,
         page_bytes=info.page_bytes,
-        prefill_delay_s=hooks.prefill_delay_s,
+        prefill_delay_s=parts.hooks.prefill_delay_s,
         admission=AdmissionLimits(args.max_queued_requests, args.max_queue_wait_s),
     )
     layout = worker_pb2.PageLayout(
@@ -66,38 +37,10 @@ def run(args: argparse.Namespace) -> int:
     )
     gate = ShutdownGate()
     servicer = ContextWorkerServicer(service, gate, layout, info, metrics)
-    server = start_grpc_server(
-        args.host,
-        args.port,
+    return serve_worker(
+        parts,
+        SERVICE_NAME,
         lambda grpc_server: worker_pb2_grpc.add_ContextWorkerServicer_to_server(servicer, grpc_server),
         gate,
-        tls=tls,
-        max_message_mb=args.max_message_mb,
+        before_engine_stop=service.shutdown,
     )
-    metrics.serve(args.metrics_port, args.host)
-    server.set_serving([SERVICE_NAME])
-    watchdog = TransferWatchdog(server, agent, [SERVICE_NAME], args.transfer_watchdog_s).start()
-    install_fault_hooks(agent, hooks)
-    announce(
-        "context",
-        server,
-        args.host,
-        args.metrics_port,
-        f"{describe_transfer_agent(agent)}; "
-        + describe_kv_pool(
-            handle.engine.cache_config.num_blocks, handle.engine.page_bytes, handle.engine.cache_config
-        ),
-    )
-
-    def cleanup() -> None:
-        watchdog.stop()
-        service.shutdown()
-        try:
-            handle.stop()
-        finally:
-            agent.close()
-            metrics.close()
-
-    # The workers keep the engine on a thread of its own (docs/service.md, "The engine thread"):
-    # two worker processes on one host's cores did worse with the main thread's busy OpenMP pool.
-    return run_until_signalled(server, cleanup, args.shutdown_grace_s)
