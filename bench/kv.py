@@ -112,8 +112,8 @@ def _engine(model: str, block_size: int, kv_cache_gib: float, window_aware: bool
 
 
 def _held_bytes(engine: Any) -> int:
-    in_use = engine.kv_cache.num_group_blocks_in_use()
-    return sum(blocks * page for blocks, page in zip(in_use, engine.group_page_bytes, strict=True))
+    """Pages in use (every group's, one shared pool) x the bytes of one page."""
+    return int(engine.kv_cache.num_blocks_in_use() * engine.page_bytes)
 
 
 def measure_held(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SamplingParams
-from engine.kv_groups import group_page_ids
+from engine.kv_group_tables import group_page_ids
 from engine.request import Request
 from engine.request_checks import check_fits_pool, check_prompt
 from engine.sampling import candidates_from_logprobs
@@ -22,7 +22,8 @@ from engine.types import PrefillResult
 
 if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig
-    from engine.kv_groups import GroupedTable, KVGroups
+    from engine.kv_group_tables import GroupedTable
+    from engine.kv_groups import KVGroups
     from engine.kv_pool import GroupedKVPool
     from engine.model_runner import ModelRunner, SequenceInput
     from engine.models.config import ModelConfig
@@ -143,5 +144,5 @@ class ContextSide:
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
             prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,
             group_page_ids=group_page_ids(table),
-            region_page_ids=self.kv_pool.region_pages.units(table.group_block_ids()),
+            region_page_ids=self.kv_pool.region_pages.pages(table.group_block_ids()),
         )  # fmt: skip
