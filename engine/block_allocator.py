@@ -58,10 +58,6 @@ class BlockAllocator:
         self._num_in_use.append(0)
         return len(self._evict_callbacks) - 1
 
-    @property
-    def num_owners(self) -> int:
-        return len(self._evict_callbacks)
-
     # -- queries -----------------------------------------------------------------------------
     def owner(self, block_id: int) -> int:
         """The owner that allocated the block last (meaningful while it is in use or cached)."""

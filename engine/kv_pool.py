@@ -187,10 +187,6 @@ class GroupedKVPool:
     def device(self) -> torch.device:
         return self.pool.device
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.groups)
-
     def group_of_layer(self, layer: int) -> int:
         return self._where[layer][0]
 
