@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.block_allocator import PoolTooSmallError
 from engine.kv_cache import HOLE, OutOfBlocksError
 from engine.kv_group_tables import pages_to_pull
 from engine.types import PrefillResult, PromptReservation
@@ -421,6 +422,14 @@ def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[
     engine.abort("p3")
     engine.check_integrity()
     assert engine.num_blocks_in_use() == 0
+    # A prompt whose groups together need more than the whole pool never fits: 400 tokens take
+    # 25 full pages and up to 3 in each window group, 31 of a 30-page pool.
+    small = LLMEngine(replace(config, cache=CacheConfig(T, 30)))
+    with pytest.raises(
+        PoolTooSmallError, match=r"\[25, 3, 3\] blocks for its prompt, more than the pool's 30"
+    ):
+        small.add_prefill("long", prompts[0] * 4, 4)
+    assert small.num_blocks_in_use() == 0
 
 
 def test_eviction_in_a_small_pool_keeps_the_beams_exact(checkpoints: dict[str, Path]) -> None:
