@@ -14,6 +14,10 @@ kind, a sliding group releasing blocks out of its window, docs/cache.md) and `al
 - moved: a context worker, a generation worker and a coordinator per layout (real processes, UCX
   on loopback); each prompt goes through the coordinator once per beam width (fresh prompts), and
   the coordinator's RequestStats give the bytes pulled. They must not depend on W.
+- admitted: one engine per layout with the same byte budget; for each prompt length, requests of
+  that length (beam width 4, max_new_tokens each, distinct random prompts) are queued, one more
+  than the pool could ever hold, and ONE pass of the engine's scheduler admits what fits: the
+  requests it runs at once. Measured, not computed; then every request is aborted.
 
 Ratios are window / all-full, measured; `issue_bound` is the issue's expected ceiling for
 Gemma 3 270M ((3 P + 15 (512 + 32)) / (18 P)), computed from the model's layers and window.
@@ -38,6 +42,8 @@ DTYPE = "float32"
 QUICK_PROMPT_LENS = (64, 160)
 QUICK_WINDOW = 16
 QUICK_BLOCK_SIZE = 16
+ADMITTED_BEAM_WIDTH = 4
+QUICK_ADMITTED_BYTES = 256 * 6 * 2 * QUICK_BLOCK_SIZE * 16 * 4  # 256 all-full pages of the quick model
 REQUEST_TIMEOUT_S = 900.0
 STARTUP_TIMEOUT_S = 300.0
 
@@ -100,20 +106,67 @@ def write_quick_model(directory: Path) -> Path:
     return directory
 
 
-def _engine(model: str, block_size: int, kv_cache_gib: float, window_aware: bool) -> Any:
+def _engine(model: str, block_size: int, pool_bytes: int, window_aware: bool, max_num_seqs: int = 64) -> Any:
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
 
     cache = CacheConfig(
-        tokens_per_block=block_size, max_pool_bytes=int(kv_cache_gib * 2**30),
-        is_sized_by_memory=True, sliding_window_kv=window_aware,
+        tokens_per_block=block_size, max_pool_bytes=pool_bytes, is_sized_by_memory=True,
+        sliding_window_kv=window_aware,
     )  # fmt: skip
-    return LLMEngine(EngineConfig(model=model, dtype=DTYPE, cache=cache))
+    batched = max(EngineConfig.max_num_batched_tokens, max_num_seqs)
+    return LLMEngine(
+        EngineConfig(
+            model=model, dtype=DTYPE, cache=cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched
+        )
+    )
 
 
 def _held_bytes(engine: Any) -> int:
-    in_use = engine.kv_cache.num_group_blocks_in_use()
-    return sum(blocks * page for blocks, page in zip(in_use, engine.group_page_bytes, strict=True))
+    """Pages in use (every group's, one shared pool) x the bytes of one page."""
+    return int(engine.kv_cache.num_blocks_in_use() * engine.page_bytes)
+
+
+def measure_admitted(
+    model: str, prompt_lens: Sequence[int], max_new_tokens: int, block_size: int, pool_bytes: int
+) -> list[dict[str, Any]]:
+    """Per layout and prompt length, how many requests one pass of the scheduler admits at once."""
+    from engine.config import SamplingParams
+
+    rows: list[dict[str, Any]] = []
+    params = SamplingParams(beam_width=ADMITTED_BEAM_WIDTH, max_new_tokens=max_new_tokens, ignore_eos=True)
+    for layout in LAYOUTS:
+        probe = _engine(model, block_size, pool_bytes, window_aware=layout == "window")
+        num_pages, vocab_size = probe.kv_cache.num_blocks(), probe.model_config.vocab_size
+        del probe
+        for prompt_len in prompt_lens:
+            # Every request holds its whole prompt in some group's pages: never more than this fit.
+            num_queued = num_pages // -(-prompt_len // block_size) + 1
+            engine = _engine(
+                model, block_size, pool_bytes, layout == "window", ADMITTED_BEAM_WIDTH * num_queued
+            )
+            for index in range(num_queued):
+                prompt = _prompt(7919 * index + prompt_len, prompt_len, vocab_size)
+                engine.add_request(f"admit-{index}", prompt, params)
+            engine.scheduler.schedule()  # admission: one pass of the real scheduler
+            engine.check_integrity()
+            admitted = len(engine.scheduler.running)
+            rows.append({
+                "layout": layout, "prompt_tokens": prompt_len, "beam_width": ADMITTED_BEAM_WIDTH,
+                "max_new_tokens": max_new_tokens, "pool_pages": num_pages, "page_bytes": engine.page_bytes,
+                "queued": num_queued, "admitted": admitted,
+                "pages_in_use": engine.kv_cache.num_blocks_in_use(),
+            })  # fmt: skip
+            for index in range(num_queued):
+                engine.abort(f"admit-{index}")
+            engine.check_integrity()
+            if engine.num_blocks_in_use():
+                raise RuntimeError(f"admitted: {layout}, {prompt_len} tokens: blocks left after aborting")
+            _say(
+                f"admitted: {layout} P={prompt_len} W={ADMITTED_BEAM_WIDTH}: {admitted} of {num_queued} queued"
+            )
+            del engine
+    return rows
 
 
 def measure_held(
@@ -127,7 +180,7 @@ def measure_held(
     model_info: dict[str, Any] = {}
     for layout in LAYOUTS:
         started = time.monotonic()
-        engine = _engine(model, block_size, kv_cache_gib, window_aware=layout == "window")
+        engine = _engine(model, block_size, int(kv_cache_gib * 2**30), window_aware=layout == "window")
         _say(f"held: {layout} engine ready in {time.monotonic() - started:.1f} s")
         config = engine.model_config
         model_info = {"kv_layer_windows": list(config.kv_layer_windows), "vocab_size": config.vocab_size}
@@ -246,21 +299,27 @@ def run(arguments: argparse.Namespace) -> int:
             model = str(write_quick_model(Path(model_dir)))
             prompt_lens, block_size = list(QUICK_PROMPT_LENS), QUICK_BLOCK_SIZE
         widths = sorted(set(arguments.beam_widths))
-        held, info = measure_held(
-            model, prompt_lens, max(widths), arguments.max_new_tokens, block_size, arguments.kv_cache_gib
-        )
+        admitted_bytes = QUICK_ADMITTED_BYTES if arguments.quick else int(arguments.kv_cache_gib * 2**30)
+        admitted = measure_admitted(model, prompt_lens, arguments.max_new_tokens, block_size, admitted_bytes)
+        held: list[dict[str, Any]] = []
+        info: dict[str, Any] = {"kv_layer_windows": None, "beams_equal": None}
+        if not arguments.admitted_only:
+            held, info = measure_held(
+                model, prompt_lens, max(widths), arguments.max_new_tokens, block_size, arguments.kv_cache_gib
+            )
         moved: list[dict[str, Any]] = []
-        if not arguments.skip_moved:
+        if not arguments.skip_moved and not arguments.admitted_only:
             moved = measure_moved(
                 model, prompt_lens, widths, arguments.max_new_tokens, block_size, arguments.kv_cache_gib,
                 info["vocab_size"],
             )  # fmt: skip
     windows = info["kv_layer_windows"]
-    held_ratios = ratio_rows(held, "held_after_prefill_bytes", ["prompt_tokens"])
+    admitted_ratios = ratio_rows(admitted, "admitted", ["prompt_tokens"])
+    held_ratios = ratio_rows(held, "held_after_prefill_bytes", ["prompt_tokens"]) if held else []
     for row in held_ratios:
         row["issue_bound"] = round(issue_bound(row["prompt_tokens"], windows, block_size), 4)
         row["within_bound"] = row["ratio"] is not None and row["ratio"] <= row["issue_bound"]
-    peak_ratios = ratio_rows(held, "peak_held_bytes", ["prompt_tokens"])
+    peak_ratios = ratio_rows(held, "peak_held_bytes", ["prompt_tokens"]) if held else []
     moved_ratios = ratio_rows(moved, "transferred_bytes", ["prompt_tokens", "beam_width"]) if moved else []
     independent_of_width = all(
         len({row["transferred_bytes"] for row in moved if (row["layout"], row["prompt_tokens"]) == case}) == 1
@@ -271,9 +330,13 @@ def run(arguments: argparse.Namespace) -> int:
         "dtype": DTYPE, "tokens_per_block": block_size, "kv_layer_windows": windows,
         "cpu_flags": _cpu_flags(), "threads": os.cpu_count(),
         "held": held, "held_ratios": held_ratios, "peak_ratios": peak_ratios, "moved": moved, "moved_ratios": moved_ratios,
+        "admitted_pool_bytes": admitted_bytes, "admitted": admitted, "admitted_ratios": admitted_ratios,
         "goals": {
             "beams_equal_between_layouts": info["beams_equal"],
-            "held_within_issue_bound": all(row["within_bound"] for row in held_ratios),
+            "held_within_issue_bound": all(row["within_bound"] for row in held_ratios) if held else None,
+            "window_admits_at_least_all_full": all(
+                row["admitted"]["window"] >= row["admitted"]["all-full"] for row in admitted_ratios
+            ),
             "moved_independent_of_beam_width": independent_of_width if moved else None,
             "moved_shrinks_like_held": all(
                 row["ratio"] is not None and row["ratio"] <= held_row["issue_bound"]
@@ -289,6 +352,11 @@ def run(arguments: argparse.Namespace) -> int:
     if arguments.json:
         print(json.dumps(result, indent=2))
     else:
+        for row in admitted_ratios:
+            print(
+                f"P={row['prompt_tokens']} W={ADMITTED_BEAM_WIDTH}: admitted at once window "
+                f"{row['admitted']['window']}, all-full {row['admitted']['all-full']}"
+            )
         for row, peak in zip(held_ratios, peak_ratios, strict=True):
             print(
                 f"P={row['prompt_tokens']}: held window/all-full {row['ratio']:.3f} (bound {row['issue_bound']}),"

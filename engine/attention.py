@@ -49,15 +49,13 @@ class AttentionMetadata:
     # Per sliding window W of the model: key_mask with the keys at or before position - W hidden
     # (padded kernel only; the invariant layout holds its own per-window masks).
     window_key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    # KV groups (engine/kv_groups.py): a sliding window whose layers keep their own block tables
-    # has its own metadata here (same tokens and positions, its group's tables); the others use this.
-    by_window: dict[int, AttentionMetadata] = field(default_factory=dict)
+    # KV groups (engine/kv_groups.py): this is group 0's; by_group[g - 1] is group g's (same tokens
+    # and positions, its own block tables).
+    by_group: tuple[AttentionMetadata, ...] = ()
 
-    def for_window(self, sliding_window: int | None) -> AttentionMetadata:
-        """The metadata of the KV group a layer of this window writes to and reads from."""
-        if sliding_window is None:
-            return self
-        return self.by_window.get(sliding_window, self)
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV group `group` (a layer's: GroupedKVPool.group_of_layer)."""
+        return self if group == 0 else self.by_group[group - 1]
 
     def key_mask_for(self, sliding_window: int | None) -> torch.Tensor:
         """[B, Q, K] keys a query may see in a layer of this window (None: full attention)."""

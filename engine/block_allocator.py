@@ -8,6 +8,11 @@ Every block is in exactly one of three states:
           request may share it; kept in least-recently-released order and evicted oldest first
           when the free heap runs dry. Eviction drops its key from the tree (`on_evict`).
 - in use: reference count >= 1. Never evicted, never handed out again.
+
+Several KV groups may share one allocator (one page-id space, docs/cache.md): each registers as an
+owner (`add_owner`) with its own eviction callback. A block belongs to the owner that allocated
+it until it is handed out again, so a cached block's eviction reaches the tree that published it
+and the blocks in use can be counted per owner.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._on_evict = on_evict
+        # Owner o's eviction callback; owner 0 is the one constructed with the allocator.
+        self._evict_callbacks = [on_evict]
+        self._owners = [0] * num_blocks  # the owner that last allocated each block
+        self._num_in_use = [0]  # per owner: blocks with a reference
         self._ref_counts = [0] * num_blocks
         # Lowest id first, so block ids are predictable in tests and logs.
         self._free_heap = list(range(num_blocks))
@@ -44,7 +52,17 @@ class BlockAllocator:
         # Blocks whose content is published in the prefix tree (cached or in use).
         self._published: set[int] = set()
 
+    def add_owner(self, on_evict: Callable[[int], None]) -> int:
+        """Another user of this allocator's blocks (a KV group); returns its owner id."""
+        self._evict_callbacks.append(on_evict)
+        self._num_in_use.append(0)
+        return len(self._evict_callbacks) - 1
+
     # -- queries -----------------------------------------------------------------------------
+    def owner(self, block_id: int) -> int:
+        """The owner that allocated the block last (meaningful while it is in use or cached)."""
+        return self._owners[block_id]
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
@@ -58,19 +76,24 @@ class BlockAllocator:
     def num_cached_blocks(self) -> int:
         return len(self._cached_lru)
 
-    def num_blocks_in_use(self) -> int:
-        return self.num_blocks - self.num_free_blocks()
+    def num_blocks_in_use(self, owner: int | None = None) -> int:
+        """Referenced blocks, of one owner or (None) of all."""
+        if owner is None:
+            return self.num_blocks - self.num_free_blocks()
+        return self._num_in_use[owner]
 
-    def num_published_blocks(self) -> int:
-        return len(self._published)
+    def num_published_blocks(self, owner: int | None = None) -> int:
+        if owner is None:
+            return len(self._published)
+        return sum(1 for block_id in self._published if self._owners[block_id] == owner)
 
     def cached_block_ids(self) -> list[int]:
         """Cached blocks, next to be evicted first."""
         return list(self._cached_lru)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` fresh blocks (reference count 1), all or none.
+    def allocate(self, num_blocks: int, owner: int = 0) -> list[int]:
+        """Take `num_blocks` fresh blocks (reference count 1) for `owner`, all or none.
 
         Free blocks go first so the cache survives as long as possible; then cached blocks are
         evicted least recently used first.
@@ -87,8 +110,10 @@ class BlockAllocator:
             else:
                 block_id, _ = self._cached_lru.popitem(last=False)
                 self._published.discard(block_id)
-                self._on_evict(block_id)
+                self._evict_callbacks[self._owners[block_id]](block_id)
             self._ref_counts[block_id] = 1
+            self._owners[block_id] = owner
+            self._num_in_use[owner] += 1
             block_ids.append(block_id)
         return block_ids
 
@@ -98,6 +123,7 @@ class BlockAllocator:
             raise ValueError(f"block {block_id} is free: it holds nothing to share")
         if self._ref_counts[block_id] == 0:
             del self._cached_lru[block_id]
+            self._num_in_use[self._owners[block_id]] += 1
         self._ref_counts[block_id] += 1
 
     def decref(self, block_id: int) -> None:
@@ -107,6 +133,7 @@ class BlockAllocator:
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] > 0:
             return
+        self._num_in_use[self._owners[block_id]] -= 1
         if block_id in self._published:
             self._cached_lru[block_id] = None
         else:
@@ -144,3 +171,10 @@ class BlockAllocator:
             assert block_id in self._published, f"cached block {block_id} not published"
         total = len(self._free_set) + len(self._cached_lru) + num_in_use
         assert total == self.num_blocks, f"free + cached + in use = {total} != {self.num_blocks}"
+        for owner, counted in enumerate(self._num_in_use):
+            held = sum(
+                1
+                for block_id, count in enumerate(self._ref_counts)
+                if count and self._owners[block_id] == owner
+            )
+            assert counted == held, f"owner {owner}: {counted} blocks counted in use, {held} referenced"

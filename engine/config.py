@@ -26,13 +26,10 @@ class CacheConfig:
     # The servers' default: the pool is exactly what max_pool_bytes holds (num_blocks is ignored),
     # so a budget, not a block count, decides the pool's memory whatever the model's page size.
     is_sized_by_memory: bool = False
-    # One KV group per attention kind, and a sliding-window group releases the blocks out of its
-    # window (engine/kv_groups.py, docs/cache.md). Off: one group, every block kept (the layout
-    # the disaggregated workers ship until transfer moves per-group pages).
+    # KV groups per attention kind sharing one pool, and a sliding-window group releases the
+    # blocks out of its window (engine/kv_groups.py, docs/cache.md). Off: one group, every block
+    # of every layer kept (the layout before KV groups).
     sliding_window_kv: bool = True
-    # A memory budget split between KV groups is sized for one request of this many tokens (None:
-    # the model's context length). Longer favours long prompts, shorter short ones (docs/cache.md).
-    pool_split_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens_per_block not in SUPPORTED_BLOCK_SIZES:
@@ -45,8 +42,6 @@ class CacheConfig:
             raise ValueError(f"max_pool_bytes must be >= 1, got {self.max_pool_bytes}")
         if self.is_sized_by_memory and self.max_pool_bytes is None:
             raise ValueError("is_sized_by_memory needs max_pool_bytes")
-        if self.pool_split_tokens is not None and self.pool_split_tokens < 1:
-            raise ValueError(f"pool_split_tokens must be >= 1, got {self.pool_split_tokens}")
 
     def fitted_to(self, page_bytes: int) -> CacheConfig:
         """This config with num_blocks lowered to fit max_pool_bytes (at least one block), or set to

@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SamplingParams
-from engine.kv_groups import group_page_ids
+from engine.kv_group_tables import counts_text, group_page_ids
 from engine.request import Request
 from engine.request_checks import check_fits_pool, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.types import PrefillResult
 
 if TYPE_CHECKING:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.kv_groups import GroupedTable, KVGroups
+    from engine.config import EngineConfig
+    from engine.kv_group_tables import GroupedTable
+    from engine.kv_groups import KVGroups
     from engine.kv_pool import GroupedKVPool
     from engine.model_runner import ModelRunner, SequenceInput
     from engine.models.config import ModelConfig
@@ -35,7 +36,6 @@ class ContextSide:
 
     if TYPE_CHECKING:
         config: EngineConfig
-        cache_config: CacheConfig
         model_config: ModelConfig
         kv_cache: KVGroups
         kv_pool: GroupedKVPool
@@ -70,10 +70,12 @@ class ContextSide:
         check_prompt(self.model_config, prompt_ids, 0)
         if request_id in self._prefilled or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        num_prompt_blocks = self.cache_config.blocks_for_tokens(len(prompt_ids))
-        pool_blocks = self.kv_cache.allocator.num_blocks
+        # Every group's most pages at once (one group: the prompt's blocks), in the shared pool.
+        needs = self.kv_cache.blocks_needed(
+            len(prompt_ids), len(prompt_ids), 1, chunk_tokens=self.config.max_num_batched_tokens
+        )
         check_fits_pool(
-            request_id, f"{num_prompt_blocks} blocks for its prompt", num_prompt_blocks, pool_blocks
+            request_id, f"{counts_text(needs)} blocks for its prompt", sum(needs), self.kv_cache.num_blocks()
         )
         params = SamplingParams(prompt_logprobs=prompt_logprobs)
         request = Request(request_id, list(prompt_ids), params, None, salt)
@@ -143,5 +145,5 @@ class ContextSide:
             num_tokens_before_hybrid_pruning=request.num_tokens_before_hybrid_pruning,
             prompt_logprobs=list(request.prompt_scores) if request.wants_prompt_logprobs else None,
             group_page_ids=group_page_ids(table),
-            region_page_ids=self.kv_pool.region_pages.units(table.group_block_ids()),
+            region_page_ids=self.kv_pool.region_pages.pages(table.group_block_ids()),
         )  # fmt: skip

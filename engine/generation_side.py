@@ -2,7 +2,7 @@
 
 `reserve_prompt` allocates the prompt's blocks (sharing what this engine's tree holds; a sliding
 KV group keeps only the pages the first decode query sees), the caller pulls the missing pages
-into them (engine/kv_groups.pages_to_pull), `add_prefilled_request` starts decoding from the
+into them (engine/kv_group_tables.pages_to_pull), `add_prefilled_request` starts decoding from the
 shipped candidates. The engine's state lives on LLMEngine (engine/llm_engine.py), which mixes
 this in.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from engine.block_allocator import OutOfBlocksError
 from engine.config import SamplingParams
-from engine.kv_groups import counts_text, group_page_ids, num_group_blocks_held
+from engine.kv_group_tables import counts_text, group_page_ids, num_group_blocks_held
 from engine.request import Request, Reservation
 from engine.request_checks import check_fits_pool, check_prompt
 from engine.types import PromptReservation, RequestOutput
@@ -72,8 +72,7 @@ class GenerationSide:
             sizes = (len(prompt_ids), len(prompt_ids) + params.max_new_tokens, params.beam_width)
             # A pulled prompt arrives whole: no chunk, only the first decode query's window.
             needs = cache.blocks_needed(*sizes, chunk_tokens=0)
-            for need, pool_blocks in zip(needs, cache.num_blocks(), strict=True):
-                check_fits_pool(request_id, f"up to {need} blocks", need, pool_blocks)
+            check_fits_pool(request_id, f"up to {counts_text(needs)} blocks", sum(needs), cache.num_blocks())
             # Its prompt arrives whole: from the first step on it holds what decoding needs.
             bound = cache.blocks_needed(*sizes, is_decoding=True)
         # A refusal restores the counters too: a queued request retries, and must not count its
@@ -104,7 +103,7 @@ class GenerationSide:
                 cache.stats = stats_before
                 raise OutOfBlocksError(
                     f"request {request_id!r} needs up to {counts_text(bound)} blocks; the pool is full "
-                    f"({counts_text(cache.num_free_group_blocks())} of {counts_text(cache.num_blocks())} free, "
+                    f"({cache.num_free_blocks()} of {cache.num_blocks()} free, "
                     f"{counts_text(reserved)} promised to running and reserved requests)"
                 )
         slot_ids: list[int] = []
@@ -128,7 +127,7 @@ class GenerationSide:
         )
         return PromptReservation(
             request_id, list(table.block_ids), allocation.num_cached_blocks, group_page_ids(table),
-            positions, destinations, region_pages.num_prompt_units(len(prompt_ids)),
+            positions, destinations, region_pages.num_prompt_pages(len(prompt_ids)),
         )  # fmt: skip
 
     def cancel_reservation(self, request_id: str) -> None:

@@ -95,10 +95,16 @@ def num_distinct_blocks(tables: Iterable[BlockTable]) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, config: CacheConfig, has_recurrent_state: bool = False, sliding_window: int | None = None
+        self,
+        config: CacheConfig,
+        has_recurrent_state: bool = False,
+        sliding_window: int | None = None,
+        allocator: BlockAllocator | None = None,
     ) -> None:
         """sliding_window: the window of every layer this manager's blocks serve (None: full
-        attention, no block is ever released early)."""
+        attention, no block is ever released early). allocator: a page-id space shared with other
+        KV groups' managers (this one registers as an owner of it); None: its own, of
+        config.num_blocks blocks."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.config = config
@@ -106,7 +112,13 @@ class KVCacheManager:
         self.has_recurrent_state = has_recurrent_state
         self.tokens_per_block = config.tokens_per_block
         self.tree = PrefixTree(config.tokens_per_block)
-        self.allocator = BlockAllocator(config.num_blocks, on_evict=self.tree.evict)
+        if allocator is None:
+            self.allocator = BlockAllocator(config.num_blocks, on_evict=self.tree.evict)
+            self.owner = 0
+        else:
+            self.allocator = allocator
+            self.owner = allocator.add_owner(self.tree.evict)
+        self.is_shared = allocator is not None
         self.stats = KVCacheStats()
 
     # -- queries -----------------------------------------------------------------------------
@@ -115,8 +127,8 @@ class KVCacheManager:
         return self.allocator.num_free_blocks()
 
     def num_blocks_in_use(self) -> int:
-        """Referenced blocks; unreferenced cached blocks do not count."""
-        return self.allocator.num_blocks_in_use()
+        """Referenced blocks of this manager; unreferenced cached blocks do not count."""
+        return self.allocator.num_blocks_in_use(self.owner)
 
     def blocks_needed(self, prompt_len: int, total_len: int, beam_width: int, reused_blocks: int = 0) -> int:
         """Upper bound on the blocks one request takes from the pool (DESIGN.md admission).
@@ -178,7 +190,7 @@ class KVCacheManager:
             raise OutOfBlocksError(f"prompt needs {num_fresh} new blocks, {num_available} available")
         for block_id in held_ids:
             self.allocator.incref(block_id)
-        fresh_ids = self.allocator.allocate(num_fresh)
+        fresh_ids = self.allocator.allocate(num_fresh, self.owner)
         copies: list[CopyOp] = []
         if match.partial_block_id is not None:
             copies.append(CopyOp(match.partial_block_id, fresh_ids[0]))
@@ -244,7 +256,9 @@ class KVCacheManager:
             raise OutOfBlocksError(f"prompt needs {num_fresh} new blocks, {num_available} available")
         for block_id in shared_ids:
             self.allocator.incref(block_id)
-        table = BlockTable([HOLE] * dead + shared_ids + self.allocator.allocate(num_fresh), num_tokens)
+        table = BlockTable(
+            [HOLE] * dead + shared_ids + self.allocator.allocate(num_fresh, self.owner), num_tokens
+        )
         self.stats.prompt_tokens += len(token_ids)
         self.stats.reused_tokens += num_reused_blocks * size
         self.stats.new_blocks += num_fresh
@@ -354,7 +368,7 @@ class KVCacheManager:
             raise OutOfBlocksError(f"beams need {num_copies} new blocks, {num_available} available")
         for index in dropped:
             self.free(tables[index])
-        fresh_ids = self.allocator.allocate(num_copies)
+        fresh_ids = self.allocator.allocate(num_copies, self.owner)
         new_tables: list[BlockTable] = []
         copies: list[CopyOp] = []
         inherited: set[int] = set()
@@ -392,7 +406,7 @@ class KVCacheManager:
             raise ValueError(f"last block {table.block_ids[-1]} is shared; it cannot be written")
         new_num_tokens = table.num_tokens + num_tokens
         num_new_blocks = -(-new_num_tokens // self.tokens_per_block) - len(table.block_ids)
-        table.block_ids.extend(self.allocator.allocate(max(num_new_blocks, 0)))
+        table.block_ids.extend(self.allocator.allocate(max(num_new_blocks, 0), self.owner))
         table.num_tokens = new_num_tokens
         self.stats.new_blocks += max(num_new_blocks, 0)
         self._track_peak()
@@ -445,7 +459,12 @@ class KVCacheManager:
         self.tree.check_integrity()
         if not self.has_recurrent_state:
             assert self.tree.num_snapshots() == 0, "snapshots in the tree of a model without recurrent layers"
-        assert self.allocator.num_published_blocks() == len(self.tree), "allocator and tree disagree"
+        owner = self.owner if self.is_shared else None
+        assert self.allocator.num_published_blocks(owner) == len(self.tree), "allocator and tree disagree"
+        for block_id in self.tree.block_ids():
+            assert self.allocator.owner(block_id) == self.owner, (
+                f"block {block_id} published by another group"
+            )
         if live_tables is None:
             return
         uses: Counter[int] = Counter()
@@ -466,7 +485,13 @@ class KVCacheManager:
             uses.update(block_id for block_id in table.block_ids if block_id != HOLE)
             if self._has_partial_tail(table):
                 assert self.allocator.ref_count(table.block_ids[-1]) == 1, "shared partial last block"
+        # A shared allocator (KV groups): this group's tables use only its own blocks, and each of
+        # its blocks is referenced exactly by them (the other groups check theirs).
+        for block_id in uses:
+            assert self.allocator.owner(block_id) == self.owner, f"block {block_id} in two KV groups"
         for block_id in range(self.allocator.num_blocks):
+            if self.allocator.owner(block_id) != self.owner:
+                continue
             assert self.allocator.ref_count(block_id) == uses[block_id], (
                 f"block {block_id}: {self.allocator.ref_count(block_id)} references, {uses[block_id]} uses"
             )

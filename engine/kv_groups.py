@@ -1,9 +1,11 @@
-"""KV groups: one logical cache per attention kind of the model's KV layers (docs/cache.md).
+"""KV groups: one logical cache per group of layers of one attention kind (docs/cache.md).
 
-Plain Python (no torch). The full-attention layers are one group, each distinct sliding window
-another; a model with no window (or a cache told to ignore windows) has exactly one group and
-behaves exactly as one `KVCacheManager`. `KVGroups` holds one manager per group and makes every
-multi-group operation all-or-nothing: it checks every group first, then applies.
+Plain Python (no torch). Each attention kind's layers (full; each window) are cut into groups of
+the same number of layers (engine/kv_group_tables.make_kv_groups); a model with one kind (or a
+cache told to ignore windows) has exactly one group and behaves exactly as one `KVCacheManager`.
+`KVGroups` holds one manager per group, each with its own prefix tree, all over ONE shared
+`BlockAllocator` (one page-id space: a page belongs to one group at a time), and makes every
+multi-group operation all-or-nothing: it checks the shared free blocks first, then applies.
 
 A sequence has one `BlockTable` per group (`GroupedTable`), all with the same num_tokens. Group 0
 is the first group (the full one when the model has full layers); `GroupedTable.block_ids` is its
@@ -13,145 +15,36 @@ table's, which is all a one-group cache ever had.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 from engine.block_allocator import BlockAllocator, OutOfBlocksError
 from engine.config import CacheConfig
 from engine.kv_cache import HOLE, BlockTable, CopyOp, KVCacheManager, KVCacheStats, PromptAllocation
 from engine.kv_group_sizing import sliding_blocks_needed
+from engine.kv_group_tables import BlockCounts, GroupedAllocation, GroupedTable, KVGroup, ReusePlan
 from engine.prefix_tree import ROOT_KEY, PrefixTree, block_key
-
-BlockCounts = tuple[int, ...]  # one count per group, in group order
-
-
-@dataclass(frozen=True)
-class KVGroup:
-    """Layers sharing one attention kind: their KV-pool layer indices and their window."""
-
-    window: int | None  # None: full attention
-    layer_indices: tuple[int, ...]  # indices into ModelConfig.kv_layer_windows
-
-
-def make_kv_groups(
-    kv_layer_windows: Sequence[int | None], is_window_aware: bool = True
-) -> tuple[KVGroup, ...]:
-    """Full layers first, then one group per window, ascending. Not window-aware (or no window):
-    one full group over every layer, the layout of a cache that keeps every block."""
-    layers = tuple(range(len(kv_layer_windows)))
-    windows = sorted({window for window in kv_layer_windows if window is not None})
-    if not is_window_aware or not windows:
-        return (KVGroup(None, layers),)
-    groups = []
-    full = tuple(index for index in layers if kv_layer_windows[index] is None)
-    if full:
-        groups.append(KVGroup(None, full))
-    for window in windows:
-        groups.append(KVGroup(window, tuple(i for i in layers if kv_layer_windows[i] == window)))
-    return tuple(groups)
-
-
-@dataclass
-class GroupedTable:
-    """One sequence's tables, tables[g] in group g; every table holds num_tokens tokens."""
-
-    tables: list[BlockTable]
-    # A prompt being prefilled chunk by chunk: its length. Its full groups hold it whole, its
-    # sliding groups only up to the chunk that runs next (extend_for_chunk). 0: every table
-    # holds num_tokens (a decoding beam, a pulled or pinned prompt).
-    prompt_len: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len or self.tables[0].num_tokens
-
-    @property
-    def block_ids(self) -> list[int]:
-        """Group 0's block ids (a one-group cache's whole table)."""
-        return self.tables[0].block_ids
-
-    def group_block_ids(self) -> tuple[list[int], ...]:
-        return tuple(table.block_ids for table in self.tables)
-
-
-@dataclass(frozen=True)
-class ReusePlan:
-    block_keys: list[bytes]  # the hash chain of the lookup's whole blocks
-    num_blocks: int  # whole blocks every group can continue from
-    full_attention_tokens: int  # what the full-attention groups alone could reuse
-    window_tokens: int  # what the sliding groups alone allow
-
-
-@dataclass(frozen=True)
-class GroupedAllocation:
-    table: GroupedTable
-    num_cached_tokens: int
-    num_cached_blocks: int  # group 0's
-    copies: tuple[list[CopyOp], ...]  # per group
-    num_tokens_before_hybrid_pruning: int = 0
-    snapshot_block_id: int | None = None
-    # The diagnostic (docs/cache.md): what the full-attention layers alone could reuse, and what
-    # the sliding layers alone allow (one group: both are what the pages supported).
-    full_attention_reusable_tokens: int = 0
-    window_reusable_tokens: int = 0
-
-
-def num_group_blocks_held(tables: Iterable[GroupedTable], num_groups: int) -> BlockCounts:
-    """Distinct blocks per group held by one request's tables (shared blocks once, holes none)."""
-    held: list[set[int]] = [set() for _ in range(num_groups)]
-    for table in tables:
-        for group, group_table in enumerate(table.tables):
-            held[group].update(group_table.block_ids)
-    return tuple(len(ids - {HOLE}) for ids in held)
-
-
-def counts_text(counts: Sequence[int]) -> str:
-    """Per-group counts for a message: a bare number for one group (as before groups existed)."""
-    return str(counts[0]) if len(counts) == 1 else str(list(counts))
-
-
-def group_page_ids(table: GroupedTable) -> tuple[tuple[int, ...], ...]:
-    """Every group's block ids (HOLE where a sliding group holds nothing); () for one group."""
-    if len(table.tables) == 1:
-        return ()
-    return tuple(tuple(ids) for ids in table.group_block_ids())
-
-
-def pages_to_pull(
-    src_page_ids: Sequence[Sequence[int]], dst_page_ids: Sequence[Sequence[int]], num_cached_blocks: int
-) -> list[tuple[list[int], list[int]]]:
-    """Per group, (source pages, destination pages) a pull moves: blocks from num_cached_blocks on
-    that both sides hold. Both sides release by the same rule at the prompt's end, so their holes
-    are the same blocks; a mismatch is a protocol error."""
-    pairs = []
-    for group, (src_ids, dst_ids) in enumerate(zip(src_page_ids, dst_page_ids, strict=True)):
-        if len(src_ids) != len(dst_ids) or any(
-            (s == HOLE) != (d == HOLE) for s, d in zip(src_ids, dst_ids, strict=False)
-        ):
-            raise ValueError(f"KV group {group}: the two sides hold different blocks: {src_ids} vs {dst_ids}")
-        indices = [index for index in range(num_cached_blocks, len(src_ids)) if src_ids[index] != HOLE]
-        pairs.append(([src_ids[index] for index in indices], [dst_ids[index] for index in indices]))
-    return pairs
 
 
 class KVGroups:
     def __init__(
-        self, configs: Sequence[CacheConfig], groups: Sequence[KVGroup], has_recurrent_state: bool = False
+        self, config: CacheConfig, groups: Sequence[KVGroup], has_recurrent_state: bool = False
     ) -> None:
-        """configs[g]: group g's cache (its num_blocks is group g's pool)."""
-        if len(configs) != len(groups) or not groups:
-            raise ValueError(f"{len(configs)} cache configs for {len(groups)} groups")
+        """config.num_blocks: the one pool's pages, shared by every group. One group: a plain
+        KVCacheManager with its own allocator, as before groups existed."""
+        if not groups:
+            raise ValueError("no KV groups")
         self.groups = tuple(groups)
+        shared = None if len(groups) == 1 else BlockAllocator(config.num_blocks)
         self.managers = [
-            KVCacheManager(config, has_recurrent_state, group.window)
-            for config, group in zip(configs, groups, strict=True)
+            KVCacheManager(config, has_recurrent_state, group.window, shared) for group in groups
         ]
-        self.tokens_per_block = configs[0].tokens_per_block
+        self.tokens_per_block = config.tokens_per_block
         self.stats = KVCacheStats()  # the sum over groups (prompt lookups: counted once)
 
     @classmethod
     def of_manager(cls, manager: KVCacheManager) -> KVGroups:
         """One group around an existing manager (a caller that built its own cache)."""
-        groups = cls([manager.config], [KVGroup(manager.sliding_window, ())], manager.has_recurrent_state)
+        groups = cls(manager.config, [KVGroup(manager.sliding_window, ())], manager.has_recurrent_state)
         groups.managers = [manager]
         return groups
 
@@ -171,6 +64,7 @@ class KVGroups:
 
     @property
     def allocator(self) -> BlockAllocator:
+        """The one allocator every group's manager shares."""
         return self.primary.allocator
 
     @property
@@ -179,26 +73,36 @@ class KVGroups:
 
     # -- queries -----------------------------------------------------------------------------
     def group_names(self) -> tuple[str, ...]:
-        """ "full" or "window<W>" per group (metric labels, status)."""
+        """ "full" or "window<W>" per group (several groups may share a name: their kind)."""
         return tuple("full" if group.window is None else f"window{group.window}" for group in self.groups)
 
-    def num_blocks(self) -> BlockCounts:
-        return tuple(manager.allocator.num_blocks for manager in self.managers)
+    def kind_names(self) -> tuple[str, ...]:
+        """The attention kinds, in group order, each once (metric labels, status)."""
+        return tuple(dict.fromkeys(self.group_names()))
 
-    def num_free_group_blocks(self) -> BlockCounts:
-        return tuple(manager.num_free_blocks() for manager in self.managers)
+    def num_kind_blocks_in_use(self) -> BlockCounts:
+        """Blocks in use per attention kind (kind_names): summed over the kind's groups."""
+        in_use = dict.fromkeys(self.kind_names(), 0)
+        for name, count in zip(self.group_names(), self.num_group_blocks_in_use(), strict=True):
+            in_use[name] += count
+        return tuple(in_use.values())
+
+    def num_blocks(self) -> int:
+        """Pages of the one pool every group shares."""
+        return self.allocator.num_blocks
 
     def num_free_blocks(self) -> int:
-        return sum(self.num_free_group_blocks())
+        """Free plus evictable cached pages of the shared pool."""
+        return self.allocator.num_free_blocks()
 
     def num_group_blocks_in_use(self) -> BlockCounts:
         return tuple(manager.num_blocks_in_use() for manager in self.managers)
 
     def num_blocks_in_use(self) -> int:
-        return sum(self.num_group_blocks_in_use())
+        return self.allocator.num_blocks_in_use()
 
-    def num_group_blocks_cached(self) -> BlockCounts:
-        return tuple(manager.allocator.num_cached_blocks() for manager in self.managers)
+    def num_blocks_cached(self) -> int:
+        return self.allocator.num_cached_blocks()
 
     def blocks_needed(
         self,
@@ -233,10 +137,10 @@ class KVGroups:
             counts.append(min(full, sliding))
         return tuple(counts)
 
-    def fits(self, needed: BlockCounts, available: BlockCounts | None = None) -> bool:
-        """Every group has room (available: default the free and evictable blocks)."""
-        available = self.num_free_group_blocks() if available is None else available
-        return all(need <= have for need, have in zip(needed, available, strict=True))
+    def fits(self, needed: BlockCounts, available: int | None = None) -> bool:
+        """The groups' needs, summed, fit the shared pool's pages (available: default the free
+        and evictable ones)."""
+        return sum(needed) <= (self.num_free_blocks() if available is None else available)
 
     # -- prompt ------------------------------------------------------------------------------
     @property
@@ -274,25 +178,41 @@ class KVGroups:
             )  # fmt: skip
         plan = self.plan_reuse(token_ids, salt) if reuse_prefix else ReusePlan([], 0, 0, 0)
         num_tokens = plan.num_blocks * self.tokens_per_block
+        # The groups share one pool: check the fresh pages of all of them first, then pin every
+        # page some group reuses, so that no group's allocation evicts another's reused page.
+        size = self.tokens_per_block
+        query = num_tokens if first_query_position is None else first_query_position
+        num_allocated = -(-(num_tokens if is_chunked else len(token_ids)) // size)
+        num_fresh, pinned = 0, list[int]()
+        for manager, group in zip(self.managers, self.groups, strict=True):
+            if group.window is None:
+                first, num_group_blocks = 0, -(-len(token_ids) // size)
+            else:
+                num_dead = manager.num_out_of_window_blocks(query)
+                first, num_group_blocks = max(0, min(num_dead, num_allocated - 1)), num_allocated
+            nodes = [manager.tree.node(key) for key in plan.block_keys[first : plan.num_blocks]]
+            pinned.extend(node.block_id for node in nodes if node is not None)
+            num_fresh += num_group_blocks - max(first, plan.num_blocks)
+        num_evictable = sum(1 for block_id in pinned if self.allocator.ref_count(block_id) == 0)
+        if num_fresh > self.num_free_blocks() - num_evictable:
+            raise OutOfBlocksError(
+                f"prompt needs {num_fresh} new blocks, {self.num_free_blocks() - num_evictable} available"
+            )
+        for block_id in pinned:
+            self.allocator.incref(block_id)
         allocations: list[PromptAllocation] = []
         before = [replace(manager.stats) for manager in self.managers]
-        try:
-            for manager, group in zip(self.managers, self.groups, strict=True):
-                if group.window is None:
-                    allocation = manager.allocate_prompt(
-                        token_ids, salt, False, False, reuse_prefix, num_tokens
-                    )
-                else:
-                    allocation = manager.allocate_window_prompt(
-                        token_ids, plan.block_keys, plan.num_blocks, first_query_position,
-                        num_tokens if is_chunked else None,
-                    )  # fmt: skip
-                allocations.append(allocation)
-        except OutOfBlocksError:
-            for manager, allocation, stats in zip(self.managers, allocations, before, strict=False):
-                manager.free(allocation.table)
-                manager.stats = stats
-            raise
+        for manager, group in zip(self.managers, self.groups, strict=True):
+            if group.window is None:
+                allocation = manager.allocate_prompt(token_ids, salt, False, False, reuse_prefix, num_tokens)
+            else:
+                allocation = manager.allocate_window_prompt(
+                    token_ids, plan.block_keys, plan.num_blocks, first_query_position,
+                    num_tokens if is_chunked else None,
+                )  # fmt: skip
+            allocations.append(allocation)
+        for block_id in pinned:
+            self.allocator.decref(block_id)  # every one is held by its group's table now
         self._add_deltas(before, count_lookups=True)
         table = GroupedTable([allocation.table for allocation in allocations])
         if is_chunked and len(token_ids) > num_tokens:
@@ -357,13 +277,17 @@ class KVGroups:
         for parent in parent_indices:
             if not 0 <= parent < len(tables):
                 raise IndexError(f"parent index {parent} out of range for {len(tables)} tables")
+        order = list(range(self.num_groups))
         if self.num_groups > 1:
-            self._check_reorder_fits(tables, parent_indices)
+            order = self._check_reorder_fits(tables, parent_indices)
         before = [replace(manager.stats) for manager in self.managers]
-        per_group = [
-            manager.reorder_beams([table.tables[group] for table in tables], parent_indices)
-            for group, manager in enumerate(self.managers)
-        ]
+        results = {
+            group: self.managers[group].reorder_beams(
+                [table.tables[group] for table in tables], parent_indices
+            )
+            for group in order
+        }
+        per_group = [results[group] for group in range(self.num_groups)]
         self._add_deltas(before)
         # Every group's first child of a parent inherits the parent's table: rebuild the grouping.
         new_tables = [
@@ -372,9 +296,13 @@ class KVGroups:
         ]
         return new_tables, tuple(copies for _, copies in per_group)
 
-    def _check_reorder_fits(self, tables: list[GroupedTable], parent_indices: list[int]) -> None:
+    def _check_reorder_fits(self, tables: list[GroupedTable], parent_indices: list[int]) -> list[int]:
+        """The copies of every group fit the shared pool with what the dropped beams release;
+        returns the order to run the groups in: most released net of copies first, so that no
+        group runs short before a later one has released its pages."""
         counts = {parent: parent_indices.count(parent) for parent in set(parent_indices)}
         dropped = [index for index in range(len(tables)) if index not in counts]
+        balance: dict[int, int] = {}  # group -> pages released minus pages copied
         for group, manager in enumerate(self.managers):
             group_tables = [table.tables[group] for table in tables]
             num_copies = sum(
@@ -390,8 +318,11 @@ class KVGroups:
             num_released = sum(
                 1 for block_id, count in drops.items() if manager.allocator.ref_count(block_id) == count
             )
-            if num_copies > manager.num_free_blocks() + num_released:
-                raise OutOfBlocksError(f"beams need {num_copies} new blocks in KV group {group}")
+            balance[group] = num_released - num_copies
+        if self.num_free_blocks() + sum(balance.values()) < 0:
+            num_copies = -min(0, sum(balance.values()))
+            raise OutOfBlocksError(f"beams need {num_copies} more blocks than the KV pool has free")
+        return sorted(balance, key=lambda group: -balance[group])
 
     # -- growth and release ------------------------------------------------------------------
     def extend_for_chunk(self, table: GroupedTable, end: int) -> int:
@@ -407,8 +338,7 @@ class KVGroups:
         needed = tuple(max(0, -(-end // size) - len(group_table.block_ids)) for group_table in table.tables)
         if not self.fits(needed):
             raise OutOfBlocksError(
-                f"prompt chunk needs {list(needed)} blocks per KV group, "
-                f"{list(self.num_free_group_blocks())} free"
+                f"prompt chunk needs {list(needed)} blocks per KV group, {self.num_free_blocks()} free"
             )
         before = [replace(manager.stats) for manager in self.managers]
         for manager, group_table in zip(self.managers, table.tables, strict=True):
@@ -429,7 +359,7 @@ class KVGroups:
         )
         if not self.fits(needed):
             raise OutOfBlocksError(
-                f"growth needs {needed} blocks per KV group, {self.num_free_group_blocks()} free"
+                f"growth needs {needed} blocks per KV group, {self.num_free_blocks()} free"
             )
         before = [replace(manager.stats) for manager in self.managers]
         for manager, group_table in zip(self.managers, table.tables, strict=True):
@@ -474,6 +404,14 @@ class KVGroups:
         """Every group's allocator and tree; with live_tables, every group's reference counts,
         holes only where the group's window allows, and the same num_tokens in every group."""
         tables = None if live_tables is None else list(live_tables)
+        for table in tables or []:
+            # One page-id space: a page belongs to the group that allocated it, and to no other.
+            for group, group_table in enumerate(table.tables):
+                owner = self.managers[group].owner
+                for block_id in group_table.block_ids:
+                    assert block_id == HOLE or self.allocator.owner(block_id) == owner, (
+                        f"page {block_id} in two KV groups (group {group}'s table, another's page)"
+                    )
         for group, manager in enumerate(self.managers):
             group_tables = None if tables is None else [table.tables[group] for table in tables]
             manager.check_integrity(group_tables)

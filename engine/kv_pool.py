@@ -4,6 +4,9 @@ Dimensions: N blocks (pages), L layers with K/V (a hybrid's attention layers onl
 
     data [N, L, 2, T, H, D], contiguous
 
+With KV groups (engine/kv_groups.py) L is S, the layers of one group: every group's page has the
+same size, and page b holds S layers of whichever group owns it now (`GroupedKVPool`).
+
 Block b is the byte range [b * page_bytes, (b + 1) * page_bytes) from `data_ptr()`: a page holds
 every layer's keys and values for T tokens, and adjacent block ids are adjacent in memory, so a
 run of adjacent pages moves as one message. The allocator decides which ids are used; this class
@@ -13,7 +16,6 @@ only stores and copies.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,8 +23,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache import CopyOp
-from engine.kv_group_sizing import group_cache_configs
-from engine.kv_groups import KVGroup, make_kv_groups
+from engine.kv_group_tables import KVGroup, make_kv_groups
 from engine.models.config import ModelConfig
 from engine.region_pages import RegionPages
 from engine.types import KVRegion
@@ -54,10 +55,8 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         num_layers: int | None = None,
-        storage: torch.Tensor | None = None,
     ) -> None:
-        """num_layers: the layers this pool's pages hold (a KV group's; None: every KV layer).
-        storage: zeroed 1-D memory to lay the pages in (a share of GroupedKVPool's buffer)."""
+        """num_layers: the layer slots of a page (S of KV groups; None: every KV layer)."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.tokens_per_block = cache_config.tokens_per_block
@@ -71,10 +70,7 @@ class KVPool:
         )
         # Zeroed rather than empty: a page that is read before it is written (a bug) shows as
         # zeros, not as whatever the allocator left there, and tests stay deterministic.
-        if storage is None:
-            self.data = torch.zeros(shape, dtype=dtype, device=device)  # [N, L, 2, T, H, D]
-        else:
-            self.data = storage.view(shape)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)  # [N, L, 2, T, H, D]
 
     @property
     def num_blocks(self) -> int:
@@ -91,6 +87,11 @@ class KVPool:
     @property
     def page_bytes(self) -> int:
         return int(self.data[0].numel() * self.data.element_size())
+
+    def group_of_layer(self, layer: int) -> int:
+        """Every layer's KV group: the one group of a pool of every layer."""
+        del layer
+        return 0
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """Keys and values of one layer across all blocks, a strided view: [N, 2, T, H, D]."""
@@ -119,54 +120,38 @@ class KVPool:
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """What GroupedKVPool.build decided: the groups, each group's cache config (its num_blocks) and
-    page bytes, and the pool."""
+    """What GroupedKVPool.build decided: the groups, the cache config (num_blocks: the one pool's
+    pages) and the bytes of one page."""
 
     groups: tuple[KVGroup, ...]
-    cache_configs: tuple[CacheConfig, ...]
-    group_page_bytes: tuple[int, ...]
+    cache_config: CacheConfig
+    page_bytes: int
     pool: GroupedKVPool
 
 
 class GroupedKVPool:
-    """One KVPool per KV group (engine/kv_groups.py) over that group's layers only; a model asks
-    for a KV layer by its model-wide index and gets its group's page tensor. One group: a pool
-    laid out exactly as a single KVPool."""
+    """One KVPool whose pages hold S layer slots, shared by every KV group (engine/kv_groups.py):
+    layer l of group g lives in slot `layer_indices.index(l)` of the pages group g's tables name,
+    and a page belongs to one group at a time (the shared allocator's owner). A model asks for a
+    KV layer by its model-wide index. One group: exactly a single KVPool of every layer."""
 
-    def __init__(
-        self,
-        pools: Sequence[KVPool],
-        layer_groups: Sequence[Sequence[int]],
-        windows: Sequence[int | None] = (None,),
-        buffer: torch.Tensor | None = None,
-    ) -> None:
-        """layer_groups[g]: the model-wide KV layer indices pools[g] holds, in its order; windows[g]:
-        its window; buffer: the 1-D tensor all pools lie in, back to back (several groups)."""
-        if len(pools) != len(layer_groups) or len(pools) != len(windows) or not pools:
+    def __init__(self, pool: KVPool, groups: Sequence[KVGroup]) -> None:
+        if not groups:
+            raise ValueError("no KV groups")
+        num_slots = max(len(group.layer_indices) for group in groups)
+        if num_slots != pool.data.shape[1]:
             raise ValueError(
-                f"{len(pools)} pools for {len(layer_groups)} layer groups, {len(windows)} windows"
+                f"pages of {pool.data.shape[1]} layer slots for groups of up to {num_slots} layers"
             )
-        if len(pools) > 1 and buffer is None:
-            raise ValueError("several KV groups' pools must lie in one buffer (one transfer region)")
-        self.pools = list(pools)
-        self.buffer = buffer
-        unit = math.gcd(*(pool.page_bytes for pool in pools))
-        offsets = [0]
-        for pool in pools[:-1]:
-            offsets.append(offsets[-1] + pool.num_blocks * pool.page_bytes // unit)
-        self.unit_bytes = unit
-        self.region_pages = RegionPages(
-            pools[0].tokens_per_block,
-            tuple(windows),
-            tuple(pool.page_bytes // unit for pool in pools),
-            tuple(offsets),
-        )
-        self.tokens_per_block = pools[0].tokens_per_block
-        # layer -> (group, index within the group's pool)
+        self.pool = pool
+        self.groups = tuple(groups)
+        self.tokens_per_block = pool.tokens_per_block
+        self.region_pages = RegionPages(pool.tokens_per_block, tuple(group.window for group in groups))
+        # layer -> (group, slot in the page)
         self._where = {
-            layer: (group, local)
-            for group, layers in enumerate(layer_groups)
-            for local, layer in enumerate(layers)
+            layer: (group, slot)
+            for group, kv_group in enumerate(groups)
+            for slot, layer in enumerate(kv_group.layer_indices)
         }
 
     @staticmethod
@@ -176,98 +161,57 @@ class GroupedKVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         extra_page_bytes: int = 0,
-        chunk_tokens: int | None = None,
     ) -> PoolLayout:
-        """The model's KV groups (make_kv_groups, honouring cache.sliding_window_kv), the memory
-        budget split between them (group_cache_configs) and one pool per group. extra_page_bytes:
-        stored next to each group-0 page (a hybrid's state snapshot) and counted in its size.
-        chunk_tokens: the most prompt tokens one forward pass feeds (a sliding group's demand)."""
+        """The model's KV groups (make_kv_groups, honouring cache.sliding_window_kv) and the one
+        pool: a memory budget divided by the page bytes, no split between groups.
+        extra_page_bytes: stored next to each page (a hybrid's state snapshot), counted in its size."""
         groups = make_kv_groups(model_config.kv_layer_windows, cache.sliding_window_kv)
-        page_bytes = [
-            KVPool.page_bytes_for(model_config, cache.tokens_per_block, dtype, len(group.layer_indices))
-            for group in groups
-        ]
-        page_bytes[0] += extra_page_bytes
-        if cache.pool_split_tokens is None:
-            # Every group as many blocks as the all-full pool: never fewer requests admitted than
-            # that layout at any prompt length (docs/cache.md); --kv-split-tokens trades for length.
-            configs = group_cache_configs(cache, groups, page_bytes, model_config.max_position_embeddings)
-        else:
-            configs = group_cache_configs(cache, groups, page_bytes, cache.pool_split_tokens, chunk_tokens)
-        for config, page in zip(configs, page_bytes, strict=True):
-            if config.num_blocks != cache.num_blocks and not cache.is_sized_by_memory:
-                logger.info(
-                    "KV pool: %d blocks of %.2f MiB fit in max_pool_bytes %d (asked for %d)",
-                    config.num_blocks, page / 2**20, cache.max_pool_bytes, cache.num_blocks,
-                )  # fmt: skip
-        layers = [len(group.layer_indices) for group in groups]
-        buffer = None
-        storages: list[torch.Tensor | None] = [None] * len(groups)
-        if len(groups) > 1:
-            # One buffer, one transfer region: group g's pages after group g-1's.
-            sizes = [
-                config.num_blocks
-                * KVPool.page_bytes_for(model_config, cache.tokens_per_block, dtype, num)
-                // torch.empty((), dtype=dtype).element_size()
-                for config, num in zip(configs, layers, strict=True)
-            ]
-            buffer = torch.zeros(sum(sizes), dtype=dtype, device=device)
-            storages = list(torch.split(buffer, sizes))
-        pools = [
-            KVPool(model_config, config, dtype, device, num, storage)
-            for config, num, storage in zip(configs, layers, storages, strict=True)
-        ]
-        pool = GroupedKVPool(
-            pools, [group.layer_indices for group in groups], [group.window for group in groups], buffer
+        num_slots = max(len(group.layer_indices) for group in groups)
+        page_bytes = (
+            KVPool.page_bytes_for(model_config, cache.tokens_per_block, dtype, num_slots) + extra_page_bytes
         )
-        return PoolLayout(groups, tuple(configs), tuple(page_bytes), pool)
+        config = cache.fitted_to(page_bytes)
+        if config.num_blocks != cache.num_blocks and not cache.is_sized_by_memory:
+            logger.info(
+                "KV pool: %d blocks of %.2f MiB fit in max_pool_bytes %d (asked for %d)",
+                config.num_blocks, page_bytes / 2**20, cache.max_pool_bytes, cache.num_blocks,
+            )  # fmt: skip
+        pool = KVPool(model_config, config, dtype, device, num_slots)
+        return PoolLayout(groups, config, page_bytes, GroupedKVPool(pool, groups))
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.pools[0].dtype
+        return self.pool.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.pools[0].device
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.pools)
+        return self.pool.device
 
     def group_of_layer(self, layer: int) -> int:
         return self._where[layer][0]
 
     def layer_view(self, layer: int) -> torch.Tensor:
-        """[N_g, 2, T, H, D] of the layer's group."""
-        group, local = self._where[layer]
-        return self.pools[group].layer_view(local)
+        """[N, 2, T, H, D]: the layer's slot of every page (its group's pages are the ones its
+        group's block tables name)."""
+        return self.pool.layer_view(self._where[layer][1])
 
     def copy_blocks(self, copies: Sequence[Sequence[CopyOp]]) -> None:
-        """copies[g]: group g's copies."""
-        for pool, group_copies in zip(self.pools, copies, strict=True):
-            pool.copy_blocks(group_copies)
+        """copies[g]: group g's copies; the groups' pages are disjoint, so one gather does all."""
+        self.pool.copy_blocks([copy for group_copies in copies for copy in group_copies])
 
     @property
     def data(self) -> torch.Tensor:
-        """Group 0's tensor (the whole pool of a one-group cache)."""
-        return self.pools[0].data
+        """[N, S, 2, T, H, D]"""
+        return self.pool.data
 
     @property
     def num_blocks(self) -> int:
-        return self.pools[0].num_blocks
+        return self.pool.num_blocks
 
     @property
     def page_bytes(self) -> int:
-        return self.pools[0].page_bytes
+        return self.pool.page_bytes
 
     def region(self) -> KVRegion:
-        """The transfer region: one group's pool as it always was, or the buffer of every group's
-        pools with pages of unit_bytes (engine/region_pages.py)."""
-        if self.buffer is None:
-            return self.pools[0].region()
-        return KVRegion(
-            address=int(self.buffer.data_ptr()),
-            page_bytes=self.unit_bytes,
-            num_pages=self.buffer.numel() * self.buffer.element_size() // self.unit_bytes,
-            device=str(self.device),
-        )
+        """The transfer region: the one pool, a page per block (engine/region_pages.py)."""
+        return self.pool.region()

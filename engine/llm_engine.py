@@ -31,7 +31,8 @@ from engine.context_side import ContextSide
 from engine.generation_side import GenerationSide
 from engine.heap import trim_heap
 from engine.kv_cache import CopyOp
-from engine.kv_groups import GroupedTable, KVGroups
+from engine.kv_group_tables import GroupedTable
+from engine.kv_groups import KVGroups
 from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
@@ -57,15 +58,15 @@ class LLMEngine(ContextSide, GenerationSide):
         # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
         layout = GroupedKVPool.build(
             self.model_config, config.cache, model.dtype, config.device,
-            StatePool.state_bytes_for(self.model_config, model.dtype), config.max_num_batched_tokens,
+            StatePool.state_bytes_for(self.model_config, model.dtype),
         )  # fmt: skip
-        cache_config, page_bytes = layout.cache_configs[0], layout.group_page_bytes[0]
+        cache_config = layout.cache_config
         self.config = replace(config, cache=cache_config)  # the pool size found at run time
-        self.page_bytes = page_bytes  # one block of group 0's layers (and its state snapshot, hybrids)
-        self.group_page_bytes = layout.group_page_bytes  # per KV group (engine/kv_groups.py)
+        # One page: a KV group's S layers (every layer with one group), and a hybrid's snapshot.
+        self.page_bytes = layout.page_bytes
         self.cache_config = cache_config
         self.kv_pool = layout.pool
-        self.kv_cache = KVGroups(layout.cache_configs, layout.groups, self.model_config.is_hybrid)
+        self.kv_cache = KVGroups(cache_config, layout.groups, self.model_config.is_hybrid)
         self.state_pool: StatePool | None = None
         if self.model_config.is_hybrid:
             # One slot per running beam (max_num_seqs of them) plus as many for prompts being
@@ -207,7 +208,7 @@ class LLMEngine(ContextSide, GenerationSide):
 
     # -- pool --------------------------------------------------------------------------------
     def kv_region(self) -> KVRegion:
-        """The transfer region: every KV group's pool, in pages of kv_pool.unit_bytes."""
+        """The transfer region: the one pool every KV group's pages lie in."""
         return self.kv_pool.region()
 
     def num_blocks_in_use(self) -> int:
@@ -216,9 +217,9 @@ class LLMEngine(ContextSide, GenerationSide):
     def counters(self) -> EngineCounters:
         stats = self.kv_cache.stats
         return EngineCounters(
-            num_blocks_total=sum(self.kv_cache.num_blocks()),
+            num_blocks_total=self.kv_cache.num_blocks(),
             num_blocks_in_use=self.kv_cache.num_blocks_in_use(),
-            num_blocks_cached=sum(self.kv_cache.num_group_blocks_cached()),
+            num_blocks_cached=self.kv_cache.num_blocks_cached(),
             num_waiting_requests=len(self.scheduler.waiting),
             num_running_requests=len(self.scheduler.running),
             prompt_tokens=stats.prompt_tokens,
@@ -227,9 +228,9 @@ class LLMEngine(ContextSide, GenerationSide):
             partial_reuse_copies=stats.copied_blocks - stats.beam_copied_blocks,
             hybrid_pruned_tokens=stats.hybrid_pruned_tokens,
             window_pruned_tokens=stats.window_pruned_tokens,
-            group_names=self.kv_cache.group_names(),
-            group_blocks_total=self.kv_cache.num_blocks(),
-            group_blocks_in_use=self.kv_cache.num_group_blocks_in_use(),
+            group_names=self.kv_cache.kind_names(),
+            group_blocks_total=tuple(self.kv_cache.num_blocks() for _ in self.kv_cache.kind_names()),
+            group_blocks_in_use=self.kv_cache.num_kind_blocks_in_use(),
         )
 
     def check_integrity(self) -> None:

@@ -125,13 +125,9 @@ class ModelRunner:
             )
 
         metadata = group_metadata(0)
-        if len(self.group_windows) > 1 or self.group_windows[0] is not None:
-            by_window = {
-                window: group_metadata(group)
-                for group, window in enumerate(self.group_windows)
-                if group > 0 and window is not None
-            }
-            metadata = replace(metadata, by_window=by_window)
+        if len(self.group_windows) > 1:
+            by_group = tuple(group_metadata(group) for group in range(1, len(self.group_windows)))
+            metadata = replace(metadata, by_group=by_group)
         token_ids = [token_id for seq in seqs for token_id in seq.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [N]
         recurrent = None

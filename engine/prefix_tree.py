@@ -85,6 +85,10 @@ class PrefixTree:
     def key_of_block(self, block_id: int) -> bytes | None:
         return self._key_of_block.get(block_id)
 
+    def block_ids(self) -> list[int]:
+        """Every published block."""
+        return list(self._key_of_block)
+
     def node(self, key: bytes) -> PrefixNode | None:
         return self._nodes.get(key)
 

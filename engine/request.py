@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.beam_search import BeamSearch, BeamSearchParams, BeamStep
 from engine.config import SamplingParams
-from engine.kv_groups import BlockCounts, GroupedTable, num_group_blocks_held
+from engine.kv_group_tables import BlockCounts, GroupedTable, num_group_blocks_held
 from engine.logprobs import LogprobTrie
 from engine.sampling import SingleSequence
 from engine.stop_strings import StopStringMatcher

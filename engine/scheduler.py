@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from engine.kv_cache import CopyOp, OutOfBlocksError
-from engine.kv_groups import BlockCounts, GroupedAllocation, GroupedTable, KVGroups
+from engine.kv_group_tables import BlockCounts, GroupedAllocation, GroupedTable
+from engine.kv_groups import KVGroups
 from engine.request import Request, RequestState
 from engine.state_pool import OutOfStateSlotsError, StatePool
 
@@ -141,15 +142,16 @@ class Scheduler:
         )
         request.tables = [allocation.table]
         growth = request.remaining_blocks()
-        # Only groups the prompt still grows in (its sliding ones): the rest is held already.
-        needed = tuple(rest + grow if grow else 0 for rest, grow in zip(reserved, growth, strict=True))
-        if not self.kv_cache.fits(needed):
+        # A prompt that grows no more holds what it needs; one whose chunks still take pages (its
+        # sliding groups) must find them next to every running request's rest, in the shared pool.
+        needed = tuple(map(sum, zip(reserved, growth, strict=True)))
+        if any(growth) and not self.kv_cache.fits(needed):
             self.kv_cache.free(allocation.table)
             request.tables = []
             self.kv_cache.stats = stats_before
             raise OutOfBlocksError(
                 f"prompt chunks need up to {list(growth)} more blocks per KV group, "
-                f"{list(self.kv_cache.num_free_group_blocks())} free, {list(reserved)} promised"
+                f"{self.kv_cache.num_free_blocks()} free, {list(reserved)} promised"
             )
         self._install_prompt(request, allocation, before)
         request.state = RequestState.PREFILLING
@@ -434,11 +436,11 @@ class Scheduler:
         if self.kv_cache.num_groups == 1:
             return (
                 f"request needs up to {request.formula_blocks} KV blocks, the pool has "
-                f"{self.kv_cache.num_blocks()[0]}"
+                f"{self.kv_cache.num_blocks()}"
             )
         return (
-            f"request needs up to {list(request.formula_group_blocks)} KV blocks per group, the pools have "
-            f"{list(self.kv_cache.num_blocks())}"
+            f"request needs up to {list(request.formula_group_blocks)} KV blocks per group "
+            f"({request.formula_blocks} in all), the shared pool has {self.kv_cache.num_blocks()}"
         )
 
     def _counted(self, request: Request, operation: Callable[[], Result]) -> Result:

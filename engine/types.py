@@ -73,7 +73,7 @@ class PromptReservation:
     request_id: str
     block_ids: list[int]  # ceil(P / T) blocks for the prompt, owned by the request
     num_cached_blocks: int  # block_ids[num_cached_blocks:] must be filled by a pull
-    # Per KV group its pages, HOLE (-1) where nothing is pulled (engine/kv_groups.pages_to_pull);
+    # Per KV group its pages, HOLE (-1) where nothing is pulled (engine/kv_group_tables.pages_to_pull);
     # () for one group.
     group_page_ids: tuple[tuple[int, ...], ...] = ()
     # The pull, in region pages (engine/region_pages.py): positions in the holder's
@@ -114,7 +114,8 @@ class EngineCounters:
     hybrid_pruned_tokens: int = 0  # prompt tokens the pages held but no state snapshot reached
     # prompt tokens the full-attention layers held but a sliding layer's window did not
     window_pruned_tokens: int = 0
-    # Per KV group (engine/kv_groups.py), named "full" or "window<W>": pool size and blocks in use.
+    # Per attention kind of the KV groups (engine/kv_groups.py), named "full" or "window<W>": the
+    # shared pool's size (the same for every kind) and the blocks in use, summed over its groups.
     group_names: tuple[str, ...] = ()
     group_blocks_total: tuple[int, ...] = ()
     group_blocks_in_use: tuple[int, ...] = ()

@@ -235,7 +235,7 @@ class GenerationService:
             )
         expected_pages = -(-len(prompt_ids) // ours.tokens_per_block)
         if ours.region_pages is not None:
-            expected_pages = ours.region_pages.num_prompt_units(len(prompt_ids))
+            expected_pages = ours.region_pages.num_prompt_pages(len(prompt_ids))
         if handoff.prompt_len != len(prompt_ids) or len(handoff.page_ids) != expected_pages:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -136,6 +136,10 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip-moved", action="store_true", help="held bytes only: start no servers")
     parser.add_argument(
+        "--admitted-only", action="store_true",
+        help="only the requests one engine admits at once per layout (no held or moved cases)",
+    )  # fmt: skip
+    parser.add_argument(
         "--out-dir", type=Path, default=Path(BENCH_DIR) / "out", help="where kv.json and kv.png go"
     )
     parser.add_argument(

@@ -68,19 +68,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         "--sliding-window-kv",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="one KV pool per attention kind; a sliding-window layer's pool keeps, ships and reuses "
-        "only the blocks inside its window (default: on; --no-sliding-window-kv keeps every block of "
-        "every layer, the layout before KV groups; both sides of a deployment must agree)",
-    )
-    group.add_argument(
-        "--kv-split-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="split a KV memory budget between the full-attention and the sliding-window pools by "
-        "what one request of N tokens needs in each: more requests of about N tokens fit, fewer "
-        "much shorter ones (default: every pool the all-full block count, never fewer requests "
-        "than without windows; docs/cache.md has the table)",
+        help="KV block tables per attention kind over one shared pool; a sliding-window layer's "
+        "blocks hold, ship and reuse only what its window sees, and the pages it frees serve any "
+        "layer (default: on; --no-sliding-window-kv keeps every block of every layer, the layout "
+        "before KV groups; both sides of a deployment must agree)",
     )
     group.add_argument(
         "--enable-partial-reuse", action="store_true", help="reuse the leading part of a shared block"
@@ -119,7 +110,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_partial_reuse=args.enable_partial_reuse,
             enable_partial_commit=args.enable_partial_commit,
             sliding_window_kv=getattr(args, "sliding_window_kv", True),
-            pool_split_tokens=getattr(args, "kv_split_tokens", None),
         ),
         **extra,
     )

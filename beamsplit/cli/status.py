@@ -103,7 +103,7 @@ def format_status(target: str, status: coordinator_pb2.StatusResponse) -> str:
         if len(worker.load.kv_groups) > 1
     ]
     if groups:
-        lines.extend(["", "KV blocks in use/total per group (one pool per attention kind):", *groups])
+        lines.extend(["", "KV blocks in use per attention kind / the shared pool's total:", *groups])
     details = [f"  {worker.address}: {worker.detail}" for worker in status.workers if worker.detail]
     if details:
         lines.extend(["", "unhealthy:", *details])

@@ -143,12 +143,15 @@ class ServerMetrics:
         )
         self.kv_group_blocks_total = Gauge(
             "beamsplit_kv_group_blocks_total",
-            "KV pool blocks per KV group (full, or window<W>: one pool per attention kind)",
+            "KV pool blocks every attention kind (full, or window<W>) may use: the one shared pool's total",
             ["group"],
             registry=registry,
         )
         self.kv_group_blocks_in_use = Gauge(
-            "beamsplit_kv_group_blocks_in_use", "KV blocks in use per KV group", ["group"], registry=registry
+            "beamsplit_kv_group_blocks_in_use",
+            "KV blocks in use per attention kind (full, or window<W>: summed over its KV groups)",
+            ["group"],
+            registry=registry,
         )
         self.prefix_hybrid_pruned_tokens = Counter(
             "beamsplit_prefix_hybrid_pruned_tokens",

@@ -170,8 +170,6 @@ class Attention(nn.Module):
         key = k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        # A sliding layer's KV group has its own block tables (engine/kv_groups.py).
-        metadata = metadata.for_window(self.sliding_window)
         write_kv(kv_layer, key, value, metadata)
         output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)  # [N, H, D]
         return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -323,7 +321,9 @@ class LlamaModel(nn.Module):
         tables = [rotary(positions, hidden.dtype) for rotary in self.rotaries]  # each cos, sin [N, D]
         for layer_index, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rotary[layer_index]]
-            hidden = layer(hidden, cos, sin, kv_pool.layer_view(layer_index), metadata)
+            # Each KV group has its own block tables (engine/kv_groups.py).
+            group_metadata = metadata.for_group(kv_pool.group_of_layer(layer_index))
+            hidden = layer(hidden, cos, sin, kv_pool.layer_view(layer_index), group_metadata)
         return hidden
 
     @torch.no_grad()

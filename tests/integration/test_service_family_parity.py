@@ -64,10 +64,11 @@ def test_family_beams_equal_the_aggregated_server(
         assert_parity(result, reference, beam_width)
         moved[prompt_len, beam_width, variant] = result.stats["transferred_bytes"]
         if family == DEFAULT_FAMILY:
-            # Region pages (engine/region_pages.py) of the 1-layer full group and the 2-layer sliding
-            # group: 37 tokens hold 3 full pages and, the query at 37 seeing keys 30..37, the sliding
-            # group's blocks 1 and 2 only: 3 + 2 * 2 = 7 units, not the all-full 3 * 3; with the
-            # first 32 tokens reused, block 2 of each: 1 + 2.
+            # Region pages (engine/region_pages.py) of the shared pool's 1-layer pages: the full
+            # group's and each of the two sliding groups'. 37 tokens hold 3 full pages and, the
+            # query at 37 seeing keys 30..37, each sliding group's blocks 1 and 2 only: 3 + 2 + 2 = 7
+            # pages, not the all-full 3 pages of 3 layers (9); with the first 32 tokens reused,
+            # block 2 of each group: 1 + 1 + 1.
             reused = result.stats["generation_reused_tokens"]
             expected = {(37, 0): 7, (20, 0): 6, (37, 32): 3}[prompt_len, reused]
             assert result.stats["transferred_blocks"] == expected, (prompt_len, reused)

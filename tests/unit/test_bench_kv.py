@@ -1,4 +1,5 @@
-"""bench/kv.py: the issue's bound, the window / all-full pairing, and the --quick run's exact bytes.
+"""bench/kv.py: the issue's bound, the window / all-full pairing, and the --quick run's exact bytes
+and admitted requests.
 
 The quick model (6 layers: 5 sliding of window 16, 1 full; 1 KV head of 16, float32, block 16)
 has pages of 2 x 16 x 16 x 4 = 2048 B per layer and block. All-full keeps every block of all 6
@@ -77,3 +78,11 @@ def test_quick_run_holds_and_moves_only_the_window(kv: Any, tmp_path: Path) -> N
             if row["prompt_tokens"] == prompt_len
         }
         assert held == {"window": window, "all-full": all_full}
+    # Admitted at once with 256 all-full pages' bytes (1536 one-layer pages window-aware), beam 4,
+    # 4 new tokens. 64 tokens: all-full 4 + 4 x 1 = 8 pages, 32; window 8 in each of the 6 groups
+    # (the window never needs more than the full layout), 48 of 1536: 32 too. 160 tokens: all-full
+    # 10 + 4 = 14, 18; window 14 + 5 x 10 (a sliding group holds the whole prompt while it is
+    # prefilled in one chunk) = 64, 24.
+    admitted = {(row["layout"], row["prompt_tokens"]): row["admitted"] for row in result["admitted"]}
+    assert admitted == {("window", 64): 32, ("all-full", 64): 32, ("window", 160): 24, ("all-full", 160): 18}
+    assert result["goals"]["window_admits_at_least_all_full"] is True

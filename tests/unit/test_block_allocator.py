@@ -129,3 +129,22 @@ def test_check_integrity_catches_corruption() -> None:
     allocator._ref_counts[0] = -1
     with pytest.raises(AssertionError):
         allocator.check_integrity()
+
+
+def test_owners_share_the_ids_and_each_gets_its_own_evictions() -> None:
+    """KV groups share one allocator: a block belongs to the owner that allocated it, its
+    eviction reaches that owner's callback, and blocks in use are counted per owner."""
+    evicted: dict[str, list[int]] = {"a": [], "b": []}
+    allocator = BlockAllocator(4)
+    first = allocator.add_owner(evicted["a"].append)
+    second = allocator.add_owner(evicted["b"].append)
+    assert allocator.allocate(2, first) == [0, 1] and allocator.allocate(2, second) == [2, 3]
+    assert (allocator.num_blocks_in_use(first), allocator.num_blocks_in_use(second)) == (2, 2)
+    for block_id in (1, 3):
+        allocator.mark_published(block_id)
+    allocator.free([3, 1, 0, 2])  # cached in release order: 3 (second's), then 1 (first's)
+    assert allocator.num_published_blocks(first) == allocator.num_published_blocks(second) == 1
+    assert allocator.allocate(3, first) == [0, 2, 3]  # the free ones, then the oldest cached: 3
+    assert evicted == {"a": [], "b": [3]} and allocator.owner(3) == first
+    assert (allocator.num_blocks_in_use(first), allocator.num_blocks_in_use(second)) == (3, 0)
+    allocator.check_integrity()

@@ -150,8 +150,10 @@ SCORE_TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def engine(gguf_path: Path) -> Iterator[LLMEngine]:
+    # One pool of 3-layer pages shared by 6 KV groups: a 640-token beam-4 request may hold up to
+    # 24 pages in each, 144 in all.
     yield LLMEngine(
-        EngineConfig(model=MODEL, dtype="float64", cache=CacheConfig(tokens_per_block=32, num_blocks=96))
+        EngineConfig(model=MODEL, dtype="float64", cache=CacheConfig(tokens_per_block=32, num_blocks=192))
     )
 
 

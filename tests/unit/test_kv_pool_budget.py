@@ -47,13 +47,6 @@ def test_a_gib_figure_a_fraction_or_an_exact_count() -> None:
     assert budget is not None and budget == pytest.approx(0.01 * free_memory_bytes("cpu"), rel=0.05)
 
 
-def test_the_group_split_length_is_a_flag() -> None:
-    assert engine_config_from_args(parse()).cache.pool_split_tokens is None  # equal block counts
-    assert engine_config_from_args(parse("--kv-split-tokens", "4096")).cache.pool_split_tokens == 4096
-    with pytest.raises(ValueError, match="pool_split_tokens"):
-        engine_config_from_args(parse("--kv-split-tokens", "0"))
-
-
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

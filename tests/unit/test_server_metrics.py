@@ -111,27 +111,29 @@ def test_status_counts_refusals_and_cancels_apart_from_failures() -> None:
     )
 
 
-def test_kv_groups_show_blocks_per_group_and_window_pruned_tokens() -> None:
+def test_kv_groups_show_blocks_per_attention_kind_and_window_pruned_tokens() -> None:
+    # LLMEngine.counters: per attention kind the blocks in use (a kind's groups summed) and the one
+    # shared pool's total.
     metrics = ServerMetrics("generation")
     grouped = replace(
-        ZERO, group_names=("full", "window512"), group_blocks_total=(40, 12), group_blocks_in_use=(0, 0)
+        ZERO, group_names=("full", "window512"), group_blocks_total=(40, 40), group_blocks_in_use=(0, 0)
     )
     metrics.observe_counters(grouped)
-    metrics.observe_counters(replace(grouped, group_blocks_in_use=(9, 3), window_pruned_tokens=96))
+    metrics.observe_counters(replace(grouped, group_blocks_in_use=(9, 15), window_pruned_tokens=96))
     text = page(metrics)
     assert read_samples(text, "beamsplit_kv_group_blocks_total") == {
         'group="full"': 40.0,
-        'group="window512"': 12.0,
+        'group="window512"': 40.0,
     }
     assert read_samples(text, "beamsplit_kv_group_blocks_in_use") == {
         'group="full"': 9.0,
-        'group="window512"': 3.0,
+        'group="window512"': 15.0,
     }
     assert read_samples(text, "beamsplit_prefix_window_pruned_tokens_total") == {'side="generation"': 96.0}
     load = worker_load(metrics, 1)
     assert [(group.name, group.num_blocks_in_use, group.num_blocks_total) for group in load.kv_groups] == [
         ("full", 9, 40),
-        ("window512", 3, 12),
+        ("window512", 15, 40),
     ]
 
 
@@ -142,17 +144,18 @@ def test_status_prints_blocks_per_kv_group() -> None:
     metrics = ServerMetrics("generation")
     metrics.observe_counters(
         replace(
-            ZERO, group_names=("full", "window8"), group_blocks_total=(40, 12), group_blocks_in_use=(9, 3)
+            ZERO, group_names=("full", "window8"), group_blocks_total=(40, 40), group_blocks_in_use=(9, 6)
         )
     )
     worker = coordinator_pb2.WorkerStatus(
         address="127.0.0.1:1", role="generation", healthy=True, load=worker_load(metrics, 1)
     )
     text = format_status("127.0.0.1:2", coordinator_pb2.StatusResponse(role="coordinator", workers=[worker]))
-    assert "127.0.0.1:1: full 9/40, window8 3/12" in text
+    assert "KV blocks in use per attention kind / the shared pool's total:" in text
+    assert "127.0.0.1:1: full 9/40, window8 6/40" in text
     one_group = coordinator_pb2.WorkerStatus(
         address="a", role="generation", healthy=True, load=common_pb2.WorkerLoad()
     )
-    assert "per group" not in format_status(
+    assert "per attention kind" not in format_status(
         "t", coordinator_pb2.StatusResponse(role="coordinator", workers=[one_group])
     )

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.block_allocator import PoolTooSmallError
 from engine.kv_cache import HOLE, OutOfBlocksError
-from engine.kv_groups import pages_to_pull
+from engine.kv_group_tables import pages_to_pull
 from engine.types import PrefillResult, PromptReservation
 from tests.helpers.family_checkpoints import SLIDING_WINDOW, load_reference, write_family_checkpoint
 from tests.helpers.hf_reference import assert_engine_beams_equal, reference_case
@@ -69,21 +70,24 @@ def run_recording_blocks(engine: LLMEngine, prompt: list[int], params: SamplingP
 
 def test_gemma3_blocks_held_per_group(checkpoints: dict[str, Path]) -> None:
     engine = make_engine(checkpoints["gemma3"])
-    # Layer 1 is full attention, layers 0 and 2 slide: two groups, the sliding pages hold 2 layers.
+    # Layer 1 is full attention, layers 0 and 2 slide: groups of 1 layer (pages of one size), one
+    # full and two of window 8, all in one pool of 1-layer pages.
     assert [(group.window, group.layer_indices) for group in engine.kv_cache.groups] == [
         (None, (1,)),
-        (8, (0, 2)),
+        (8, (0,)),
+        (8, (2,)),
     ]
-    assert engine.group_page_bytes[1] == 2 * engine.group_page_bytes[0]
     params = SamplingParams(beam_width=3, max_new_tokens=24, ignore_eos=True)
     beams, held = run_recording_blocks(engine, list(range(3, 43)), params)
-    # After the 40-token prefill the first query is at 40: blocks 0 and 1 (keys 0..31) are dead.
-    assert held[0] == (40, (3, 1), [[HOLE, HOLE, 2]])
-    # The three beams share the full group's 2 prompt blocks and copy its 8-token tail; the
-    # sliding group copies its tail only, the holes stay holes.
-    assert held[1] == (41, (5, 3), [[HOLE, HOLE, 2], [HOLE, HOLE, 3], [HOLE, HOLE, 4]])
+    # After the 40-token prefill the first query is at 40: blocks 0 and 1 (keys 0..31) are dead in
+    # each sliding group (the last group's pages 6 and 7, published, are cached for reuse).
+    assert held[0] == (40, (3, 1, 1), [[HOLE, HOLE, 8]])
+    # The three beams share the full group's 2 prompt blocks and copy its 8-token tail; each
+    # sliding group copies its tail only (fresh pages 13 and 14: the cached ones stay), the holes
+    # stay holes.
+    assert held[1] == (41, (5, 3, 3), [[HOLE, HOLE, 8], [HOLE, HOLE, 13], [HOLE, HOLE, 14]])
     assert [entry[0] for entry in held] == list(range(40, 63))
-    for num_tokens, (_, num_sliding), tables in held:
+    for num_tokens, (_, _, num_sliding), tables in held:
         # The query at num_tokens - 1 sees keys num_tokens - 8 .. num_tokens - 1: every beam holds
         # exactly the blocks those fall in, the rest are holes.
         num_dead = max(0, (num_tokens - SLIDING_WINDOW) // T)
@@ -92,9 +96,9 @@ def test_gemma3_blocks_held_per_group(checkpoints: dict[str, Path]) -> None:
             assert table[:num_dead] == [HOLE] * num_dead and HOLE not in table[num_dead:], (num_tokens, table)
         if num_dead == len(tables[0]) - 1 and len(tables) == 3:
             assert num_sliding == 3, num_tokens  # one private block per beam
-    full_beams, full_held = run_recording_blocks(
-        make_engine(checkpoints["gemma3"], False), list(range(3, 43)), params
-    )
+    full_engine = make_engine(checkpoints["gemma3"], False)
+    assert full_engine.page_bytes == 3 * engine.page_bytes  # every layer in an all-full page
+    full_beams, full_held = run_recording_blocks(full_engine, list(range(3, 43)), params)
     # The all-full layout: one group of every layer, nothing released, the same beams bit for bit.
     assert full_held[0][:2] == (40, (3,))
     # ... whose one group holds, step by step, what the window-aware full group holds.
@@ -126,12 +130,16 @@ def test_a_chunked_prompt_holds_only_its_window_and_chunk_per_sliding_group(
     beams, _ = run_recording_blocks(engine, prompt, params)
     if window_aware:
         # chunk [0, 20): blocks 0, 1; [20, 40): query 20 still sees block 0, blocks 0..2; [40, 60):
-        # blocks 2, 3; [60, 80): 3, 4; [80, 100): 4..6. Then 2 beams of ceil(8/16) + 1 blocks.
-        assert held[:5] == [(0, (7, 2)), (20, (7, 3)), (40, (7, 2)), (60, (7, 2)), (80, (7, 3))]
-        assert max(sliding for _, (_, sliding) in held) <= -(-(8 + 20) // T) + 1
+        # blocks 2, 3; [60, 80): 3, 4; [80, 100): 4..6, in each sliding group. Then 2 beams of
+        # ceil(8/16) + 1 blocks.
+        sliding_held = [2, 3, 2, 2, 3]
+        assert held[:5] == [
+            (start, (7, n, n)) for start, n in zip(range(0, 100, 20), sliding_held, strict=True)
+        ]
+        assert max(max(counts[1:]) for _, counts in held) <= -(-(8 + 20) // T) + 1
         # Each of the 7 prompt blocks was taken once, when its chunk ran; then the second beam's
         # copy of the tail (tokens 100..103 stay in block 6: no decode growth).
-        assert engine.kv_cache.managers[1].stats.new_blocks == 7 + 1
+        assert [manager.stats.new_blocks for manager in engine.kv_cache.managers[1:]] == [7 + 1, 7 + 1]
     else:
         assert held[:5] == [(start, (7,)) for start in range(0, 100, 20)]
     full_engine = make_engine(checkpoints["gemma3"], False, max_num_seqs=2, max_num_batched_tokens=20)
@@ -159,38 +167,42 @@ def run_concurrently(engine: LLMEngine, prompts: list[list[int]], params: Sampli
     return beams, most_running
 
 
-def test_a_memory_budget_admits_more_long_prompts_when_window_aware(checkpoints: dict[str, Path]) -> None:
-    """The bytes of 48 all-full blocks, prompts of 400 tokens (the checkpoint's context is 512) in
-    chunks of 16, 2 beams. All-full: a request needs 25 + 2 x 1 = 27 of 48 blocks, one at a time.
-    Window-aware by default: every group the all-full count (48, 48), so one at a time too.
-    Split for 512-token requests (--kv-split-tokens 512): the full group's 32 blocks of
-    1 layer against the sliding group's ceil((8 + 16)/16) + 1 = 3 of 2 layers: 121 full blocks
-    (4 requests' 27) and 11 sliding ones, 4 per request (2 beams x 2): two requests run at once."""
+def test_one_byte_budget_admits_at_least_as_many_and_more_long_prompts(checkpoints: dict[str, Path]) -> None:
+    """One byte budget, the bytes of 48 all-full pages (3 layers each): the window-aware pool has
+    144 pages of 1 layer, shared by its 3 groups. Through the real scheduler (chunks of 32, at
+    most 32 beams, 2 per request, 3 new tokens), check_integrity after every step:
+    - 24-token prompts: all-full, 1 shared + 2 x 1 = 3 pages, 16 at once; window-aware 3 pages in
+      each group (the window never needs more than the full layout), 9 of 144: 16 at once too.
+    - 400-token prompts: all-full 25 + 2 x 1 = 27 of 48 pages, one at a time; window-aware
+      27 + 2 x 4 (in each window group: 2 beams x ceil(8/16) + 1 decoding, and as many for a
+      chunk, ceil((8 + 32)/16) + 1) = 35 of 144: 4 at once.
+    The beams equal the all-full run's bit for bit."""
     directory = checkpoints["gemma3"]
-    page_bytes = make_engine(directory, False).page_bytes  # one all-full block, all 3 layers
+    page_bytes = make_engine(directory, False).page_bytes  # one all-full page, all 3 layers
     budget = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True)
     generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 90, (400,), generator=generator).tolist() for _ in range(3)]
+    cases = {24: 18, 400: 5}  # prompt length: requests queued at once
     params = SamplingParams(beam_width=2, max_new_tokens=3, ignore_eos=True)
     runs = {}
-    for window_aware, split_len in ((True, None), (False, None), (True, 512), (True, 128)):
-        cache = replace(budget, sliding_window_kv=window_aware, pool_split_tokens=split_len)
-        config = EngineConfig(
-            model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
-        )
-        engine = LLMEngine(config)
-        runs[window_aware, split_len] = (
-            engine.kv_cache.num_blocks(),
-            *run_concurrently(engine, prompts, params),
-        )
-    full, equal, aware, short_split = runs[False, None], runs[True, None], runs[True, 512], runs[True, 128]
-    # The default: every group the all-full count, so never fewer at once than all-full.
-    assert equal[0] == (48, 48) and equal[2] == full[2]
-    assert full[0] == (48,) and aware[0] == (121, 11)
-    assert full[2] == 1 and aware[2] == 2
-    # Split for 128-token requests: 8 full blocks against 3 sliding ones, (82, 30): all 3 run at once.
-    assert short_split[0] == (82, 30) and short_split[2] == 3
-    assert aware[1] == full[1] == short_split[1] == equal[1]  # the same beams, bit for bit
+    for prompt_len, num_requests in cases.items():
+        prompts = [
+            torch.randint(3, 90, (prompt_len,), generator=generator).tolist() for _ in range(num_requests)
+        ]
+        for window_aware in (True, False):
+            cache = replace(budget, sliding_window_kv=window_aware)
+            config = EngineConfig(
+                model=str(directory), dtype="float64", cache=cache, max_num_seqs=32, max_num_batched_tokens=32
+            )
+            engine = LLMEngine(config)
+            runs[prompt_len, window_aware] = (
+                engine.kv_cache.num_blocks(),
+                *run_concurrently(engine, prompts, params),
+            )
+    assert runs[24, False][0] == 48 and runs[24, True][0] == 3 * 48
+    assert (runs[24, False][2], runs[24, True][2]) == (16, 16)
+    assert (runs[400, False][2], runs[400, True][2]) == (1, 4)
+    for prompt_len in cases:
+        assert runs[prompt_len, True][1] == runs[prompt_len, False][1]  # the same beams, bit for bit
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
@@ -234,18 +246,16 @@ def pull_pages(
     assert src_region.page_bytes == dst_region.page_bytes
     assert len(prefill.region_page_ids) == reservation.num_source_pages
     src_ids = [prefill.region_page_ids[position] for position in reservation.source_positions]
-    assert context.kv_pool.buffer is not None and generation.kv_pool.buffer is not None
-    unit = src_region.page_bytes
-    src_pages = context.kv_pool.buffer.view(torch.uint8).view(-1, unit)  # [units, unit bytes]
-    dst_pages = generation.kv_pool.buffer.view(torch.uint8).view(-1, unit)
+    page = src_region.page_bytes
+    assert page == context.kv_pool.page_bytes  # the region's page is the pool's
+    src_pages = context.kv_pool.data.view(torch.uint8).view(-1, page)  # [pages, page bytes]
+    dst_pages = generation.kv_pool.data.view(torch.uint8).view(-1, page)
     dst_pages[reservation.region_page_ids] = src_pages[src_ids]
     # The same pages as the per-group view names them.
     pairs = pages_to_pull(prefill.group_page_ids, reservation.group_page_ids, reservation.num_cached_blocks)
-    assert (
-        sum(len(src) * pool.page_bytes for (src, _), pool in zip(pairs, context.kv_pool.pools, strict=True))
-        == len(src_ids) * unit
-    )
-    return len(src_ids) * unit
+    assert [page_id for src, _ in pairs for page_id in src] == src_ids
+    assert [page_id for _, dst in pairs for page_id in dst] == reservation.region_page_ids
+    return len(src_ids) * page
 
 
 @pytest.mark.parametrize("beam_width", [1, 4])
@@ -255,26 +265,31 @@ def test_disaggregated_ships_only_the_window_and_equals_aggregated(
     """Gemma 3 tiny, a 40-token prompt (5x the window): the context side pins, per group, only the
     pages inside the window at the prompt's end; the generation side reserves the same positions
     (holes elsewhere), pulls them and decodes the aggregated beams exactly. The bytes moved do not
-    depend on W: 3 pages of the full layer and 1 page of the 2 sliding layers, 5/9 of the 3 pages
-    of 3 layers the all-full layout ships."""
+    depend on W: 3 pages of the full layer and 1 page of each sliding layer's group, 5/9 of the 3
+    pages of 3 layers the all-full layout ships."""
     directory = checkpoints["gemma3"]
     prompt = list(range(5, 45))
     params = SamplingParams(beam_width=beam_width, max_new_tokens=12, ignore_eos=True)
     aggregated = make_engine(directory).generate(prompt, params)
     context, generation = make_engine(directory), make_engine(directory)
     prefill = context.prefill("r", prompt, params.num_candidates)
-    assert prefill.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 2))
-    assert context.kv_cache.num_group_blocks_in_use() == (3, 1)
+    assert prefill.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 5), (HOLE, HOLE, 8))
+    assert context.kv_cache.num_group_blocks_in_use() == (3, 1, 1)
+    # Metrics and status: per attention kind, the window groups summed, of the one pool's 48.
+    counters = context.counters()
+    assert (counters.group_names, counters.group_blocks_in_use) == (("full", "window8"), (3, 2))
+    assert counters.group_blocks_total == (48, 48) and counters.num_blocks_total == 48
     context.check_integrity()
     reservation = generation.reserve_prompt("r", prompt, params=params)
-    # The sliding group takes only the page the first decode query sees, never the prompt's 3.
-    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 0)) and reservation.num_cached_blocks == 0
-    assert generation.kv_cache.managers[1].stats.peak_blocks_in_use == 1
+    # Each sliding group takes only the page the first decode query sees, never the prompt's 3.
+    assert reservation.group_page_ids == ((0, 1, 2), (HOLE, HOLE, 3), (HOLE, HOLE, 4))
+    assert reservation.num_cached_blocks == 0
+    assert [manager.stats.peak_blocks_in_use for manager in generation.kv_cache.managers[1:]] == [1, 1]
     generation.check_integrity()
     moved = pull_pages(context, generation, prefill, reservation)
-    full_page, sliding_page = (pool.page_bytes for pool in context.kv_pool.pools)
-    assert moved == 3 * full_page + 1 * sliding_page
-    all_full = 3 * (full_page + sliding_page)  # 3 pages of every layer: what the one-group layout ships
+    layer_page = context.page_bytes  # one page: one layer (the groups' size)
+    assert moved == (3 + 1 + 1) * layer_page
+    all_full = 3 * make_engine(directory, False).page_bytes  # 3 pages of every layer: the one-group layout
     assert moved / all_full == pytest.approx((3 * 1 + 1 * 2) / (3 * 3))
     context.release_prefill("r")
     assert context.num_blocks_in_use() == 0
@@ -300,12 +315,13 @@ def test_a_reused_prefix_is_not_pulled_again(checkpoints: dict[str, Path]) -> No
     prompt = first[:32] + list(range(60, 80))  # 52 tokens: blocks 0..3, first query at 52
     reservation = generation.reserve_prompt("r", prompt, params=SamplingParams(max_new_tokens=4))
     assert reservation.num_cached_blocks == 2
-    assert [len(ids) for ids in reservation.group_page_ids] == [4, 4]
-    # The query at 52 sees keys 45..52: the sliding group holds blocks 2 and 3 only.
-    assert reservation.group_page_ids[1][:2] == (HOLE, HOLE) and HOLE not in reservation.group_page_ids[1][2:]
-    src = ((0, 1, 2, 3), (HOLE, HOLE, 2, 3))
+    assert [len(ids) for ids in reservation.group_page_ids] == [4, 4, 4]
+    # The query at 52 sees keys 45..52: each sliding group holds blocks 2 and 3 only.
+    for sliding_ids in reservation.group_page_ids[1:]:
+        assert sliding_ids[:2] == (HOLE, HOLE) and HOLE not in sliding_ids[2:]
+    src = ((0, 1, 2, 3), (HOLE, HOLE, 6, 7), (HOLE, HOLE, 10, 11))
     pairs = pages_to_pull(src, reservation.group_page_ids, reservation.num_cached_blocks)
-    assert [len(src_ids) for src_ids, _ in pairs] == [2, 2]
+    assert [len(src_ids) for src_ids, _ in pairs] == [2, 2, 2]
     generation.cancel_reservation("r")
     generation.check_integrity()
     assert generation.num_blocks_in_use() == 0
@@ -368,23 +384,25 @@ def test_reuse_needs_only_the_window_and_reports_what_full_layers_could_reuse(
 
 
 def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[str, Path]) -> None:
-    """Prefill-only prompts of 100 tokens in chunks of 16 under the (121, 11)-block split of --kv-split-tokens 512: each
-    may hold 3 sliding blocks at once, so a fourth is refused while three are in their chunks
-    (nothing held), never admitted to stall part-way; once they are pinned (2 window blocks
-    each) it fits."""
+    """Prefill-only prompts of 100 tokens in chunks of 16, in a shared pool of 48 one-layer pages
+    (the bytes of 16 all-full pages): each takes its 7 full-group pages up front and may hold 3
+    pages per sliding group at once, 13 in all. Three fit (21 held, 18 promised); a fourth is
+    refused while they are in their chunks (nothing held), never admitted to stall part-way;
+    once they are pinned (7 + 2 window pages per group, 11 each) it fits."""
     directory = checkpoints["gemma3"]
     page_bytes = make_engine(directory, False).page_bytes
-    cache = CacheConfig(T, 1, max_pool_bytes=48 * page_bytes, is_sized_by_memory=True, pool_split_tokens=512)
+    cache = CacheConfig(T, 1, max_pool_bytes=16 * page_bytes, is_sized_by_memory=True)
     config = EngineConfig(
         model=str(directory), dtype="float64", cache=cache, max_num_seqs=8, max_num_batched_tokens=16
     )
     engine = LLMEngine(config)
-    assert engine.kv_cache.num_blocks() == (121, 11)
+    assert engine.kv_cache.num_blocks() == 48
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 90, (100,), generator=generator).tolist() for _ in range(4)]
     for index in range(3):
         engine.add_prefill(f"p{index}", prompts[index], 4)
     held = engine.kv_cache.num_group_blocks_in_use()
+    assert held == (21, 0, 0)
     with pytest.raises(OutOfBlocksError, match="promised"):
         engine.add_prefill("p3", prompts[3], 4)
     assert engine.kv_cache.num_group_blocks_in_use() == held
@@ -395,8 +413,8 @@ def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[
             assert output.error is None and output.prefill is not None
             done.add(output.request_id)
         engine.check_integrity()
-        assert engine.kv_cache.num_group_blocks_in_use()[1] <= 9
-    assert engine.kv_cache.num_group_blocks_in_use() == (3 * 7, 3 * 2)  # pinned: the window only
+        assert max(engine.kv_cache.num_group_blocks_in_use()[1:]) <= 9
+    assert engine.kv_cache.num_group_blocks_in_use() == (3 * 7, 3 * 2, 3 * 2)  # pinned: the window only
     engine.add_prefill("p3", prompts[3], 4)
     engine.check_integrity()
     for index in range(3):
@@ -404,25 +422,34 @@ def test_context_side_prompts_take_their_chunks_room_up_front(checkpoints: dict[
     engine.abort("p3")
     engine.check_integrity()
     assert engine.num_blocks_in_use() == 0
+    # A prompt whose groups together need more than the whole pool never fits: 400 tokens take
+    # 25 full pages and up to 3 in each window group, 31 of a 30-page pool.
+    small = LLMEngine(replace(config, cache=CacheConfig(T, 30)))
+    with pytest.raises(
+        PoolTooSmallError, match=r"\[25, 3, 3\] blocks for its prompt, more than the pool's 30"
+    ):
+        small.add_prefill("long", prompts[0] * 4, 4)
+    assert small.num_blocks_in_use() == 0
 
 
 def test_eviction_in_a_small_pool_keeps_the_beams_exact(checkpoints: dict[str, Path]) -> None:
-    """8 blocks per group, five 60-token prompts one after the other, the third and fifth sharing
-    48 tokens with the first and second: cached blocks are evicted (the sliding group's, released
-    as soon as they leave the window, too), reuse finds what is left, and every request's beams
-    equal an all-full engine's whose pool of 48 blocks evicts nothing; check_integrity after
-    every step."""
+    """A shared pool of 22 pages, five 60-token prompts one after the other, the third and fifth
+    sharing 48 tokens with the first and second: cached pages are evicted from the tree of the
+    group that published them (the sliding groups', released as soon as they leave the window,
+    too), reuse finds what is left, and every request's beams equal an all-full engine's whose
+    pool of 48 blocks evicts nothing; check_integrity after every step."""
     directory = checkpoints["gemma3"]
-    cache = CacheConfig(tokens_per_block=T, num_blocks=8)
+    cache = CacheConfig(tokens_per_block=T, num_blocks=22)
     engine = LLMEngine(EngineConfig(model=str(directory), dtype="float64", cache=cache))
     evictions = [0] * len(engine.kv_cache.managers)
+    callbacks = engine.kv_cache.allocator._evict_callbacks
     for group, manager in enumerate(engine.kv_cache.managers):
 
-        def counting(block_id: int, evict=manager.allocator._on_evict, group: int = group) -> None:  # type: ignore[no-untyped-def]
+        def counting(block_id: int, evict=callbacks[manager.owner], group: int = group) -> None:  # type: ignore[no-untyped-def]
             evictions[group] += 1
             evict(block_id)
 
-        manager.allocator._on_evict = counting
+        callbacks[manager.owner] = counting
     generator = torch.Generator().manual_seed(11)
     first, second, fourth = (torch.randint(3, 90, (60,), generator=generator).tolist() for _ in range(3))
     tails = [torch.randint(3, 90, (12,), generator=generator).tolist() for _ in range(2)]
@@ -435,5 +462,5 @@ def test_eviction_in_a_small_pool_keeps_the_beams_exact(checkpoints: dict[str, P
         assert [(beam.token_ids, beam.score) for beam in beams] == [
             (beam.token_ids, beam.score) for beam in expected
         ]
-    assert evictions[0] > 0 and evictions[1] > 0, evictions  # both groups evicted cached blocks
+    assert all(evictions), evictions  # every group's tree lost cached pages to eviction
     assert engine.kv_cache.stats.reused_tokens > 0  # and a later prompt still reused a prefix
