@@ -156,9 +156,10 @@ def invariant_attention(
     num_tokens, num_heads, head_dim = query.shape
     # Half-precision queries compute in float32 (see _compute_dtype); the pages are cast as gathered.
     compute_query = query.to(_compute_dtype(query.dtype))
-    padded_query = torch.cat(
-        (compute_query, compute_query.new_zeros((1, num_heads, head_dim)))
-    )  # row N: padding
+    # Row N: padding, which only prompt units read (decode tokens index their own rows).
+    padded_query = compute_query.contiguous()
+    if layout.prompts:
+        padded_query = torch.cat((padded_query, padded_query.new_zeros((1, num_heads, head_dim))))
     output = padded_query.new_empty((num_tokens + 1, num_heads, head_dim))
     for part in layout.slices:
         decode_attention(padded_query, kv_layer, part, scale, output, sliding_window)

@@ -26,6 +26,7 @@ D head dim; a bucket holds n items read by R pairs each; S score rows = (pair, k
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -55,6 +56,9 @@ class DecodePlan:
     kv_rows: torch.Tensor  # [2 Hkv sum(n) K] row of the layer seen as rows of D (kv_rows_view)
     hidden: torch.Tensor  # [S, K] bool: the key is hidden from the row (past it, or out of its window)
     row_leaf: torch.Tensor  # [S] the row's leaf (kv head, unit, item, g) in the tree over items
+    # I rounded up to a power of two: the tree then never appends a zero leaf (a zero leaf gives
+    # the bits tree_sum's appended ones give: tests/unit/test_batch_invariance.py)
+    num_leaves: int
     row_unit: torch.Tensor  # [S] the row's (kv head, unit, g)
     # Per bucket: (first query row, first score row, first key row)
     offsets: tuple[tuple[int, int, int], ...]
@@ -206,13 +210,16 @@ def _make_plan(
         kv_first += rows[0].numel()
     row_pair, row_head = torch.cat(row_pairs), torch.cat(row_heads)
     row_group = torch.arange(group, device=device).repeat(row_pair.shape[0] // group)
-    num_units = part.token_index.shape[0]
+    num_units, num_leaves = part.token_index.shape[0], 1 << (part.num_items - 1).bit_length()
+    row_unit_index = part.pair_unit[row_pair]
+    row_item = part.pair_slot[row_pair] - row_unit_index * part.num_items
     return DecodePlan(
         query_rows=torch.cat(query_rows),
         kv_rows=torch.cat(kv_rows, dim=1).reshape(-1),
         hidden=hidden_keys[row_pair, 0],
-        row_leaf=(row_head * num_units * part.num_items + part.pair_slot[row_pair]) * group + row_group,
-        row_unit=(row_head * num_units + part.pair_unit[row_pair]) * group + row_group,
+        row_leaf=((row_head * num_units + row_unit_index) * num_leaves + row_item) * group + row_group,
+        row_unit=(row_head * num_units + row_unit_index) * group + row_group,
+        num_leaves=num_leaves,
         offsets=tuple(offsets),
     )
 
@@ -287,19 +294,20 @@ def decode_attention(
         )
     scores.masked_fill_(plan.hidden, float("-inf"))
     # The row maximum over a token's pairs: exact in any order.
-    item_max = scores.new_full((num_kv_heads * num_units * part.num_items * group,), float("-inf"))
+    leaf_shape = (num_kv_heads, num_units, plan.num_leaves, group)
+    item_max = scores.new_full((math.prod(leaf_shape),), float("-inf"))
     item_max[plan.row_leaf] = scores.amax(dim=-1)
-    unit_max = item_max.view(num_kv_heads, num_units, part.num_items, group).amax(dim=2)  # [Hkv, U, G]
+    unit_max = item_max.view(leaf_shape).amax(dim=2)  # [Hkv, U, G]
     weights = scores.sub_(unit_max.view(-1)[plan.row_unit, None]).exp_()  # hidden keys exactly 0
     for bucket, offsets in zip(part.buckets, plan.offsets, strict=True):
         bucket_weights, values = bucket_views(bucket, offsets, weights, 1)
         bucket_partial, _ = bucket_views(bucket, offsets, partial, 1)
         torch.bmm(bucket_weights, values, out=bucket_partial)
-    leaves = partial.new_zeros((num_kv_heads * num_units * part.num_items * group, head_dim))
+    leaves = partial.new_zeros((math.prod(leaf_shape), head_dim))
     leaves[plan.row_leaf] = partial
-    numerator = tree_sum(leaves.view(num_kv_heads, num_units, part.num_items, group, head_dim), dim=2)
-    weight_leaves = weights.new_zeros((num_kv_heads * num_units * part.num_items * group,))
+    numerator = tree_sum(leaves.view(*leaf_shape, head_dim), dim=2)
+    weight_leaves = weights.new_zeros((math.prod(leaf_shape),))
     weight_leaves[plan.row_leaf] = tree_sum(weights, dim=-1)
-    denominator = tree_sum(weight_leaves.view(num_kv_heads, num_units, part.num_items, group), dim=2)
+    denominator = tree_sum(weight_leaves.view(leaf_shape), dim=2)
     unit_output = numerator / denominator[..., None]  # [Hkv, U, G, D]
     output[part.token_index[:, 0]] = unit_output.transpose(0, 1).reshape(num_units, num_heads, head_dim)
