@@ -47,9 +47,10 @@ def fusion_is_exact(
     generator = torch.Generator().manual_seed(6)
     weights = [torch.randn(out, in_features, generator=generator).to(dtype) for out in out_features]
     rows = torch.randn(300, in_features, generator=generator).to(dtype)
+    chunked = takes_chunks(in_features, out_features, dtype, num_threads)
     try:
         separate = [PackedLinear.from_linear(_linear(weight), shared=False) for weight in weights]
-        fused = PackedLinear.from_linear(_linear(torch.cat(weights)), shared=False)
+        fused = PackedLinear.from_linear(_linear(torch.cat(weights)), shared=False, chunked=chunked)
     except RuntimeError:  # no oneDNN inner product for this dtype
         return False
     for first, count in ((0, 1), (3, 4), (1, 5), (0, 32), (7, 33), (0, 300)):
@@ -57,6 +58,19 @@ def fusion_is_exact(
         if not torch.equal(fused(part), torch.cat([layer(part) for layer in separate], dim=1)):
             return False
     return True
+
+
+def takes_chunks(
+    in_features: int, out_features: tuple[int, ...], dtype: torch.dtype, num_threads: int
+) -> bool:
+    """Does any of the separate layers take oneDNN's fixed-row chunks (its any-M check fails)? Then
+    the fused layer takes them too, whatever its own shape's checks say: on the AMX host the
+    bfloat16 576 -> 960 shape passes the any-M check where 576 -> 576 and 576 -> 192 do not, and
+    the two paths give a row other bits past 32 rows."""
+    return not all(
+        batch_invariant.onednn_rows_are_independent(in_features, out, dtype, "cpu", num_threads)
+        for out in out_features
+    )
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -85,6 +99,7 @@ def fuse_packed_projections(model: nn.Module) -> int:
                     continue
                 shape = (fused.in_features, widths, fused.packed_weight.dtype, "cpu", num_threads)
                 if fusion_is_exact(*shape):
+                    fused.chunked = takes_chunks(fused.in_features, widths, shape[2], num_threads)
                     num_fused += 1
                     continue
                 _split(module, fused_name, fused, names, widths)
@@ -97,7 +112,8 @@ def fuse_packed_projections(model: nn.Module) -> int:
                 shape = (layers[0].in_features, widths, layers[0].packed_weight.dtype, "cpu", num_threads)
                 if not fusion_is_exact(*shape):
                     continue
-                setattr(module, fused_name, _fuse(layers))
+                chunked = takes_chunks(shape[0], widths, shape[2], num_threads)
+                setattr(module, fused_name, _fuse(layers, chunked))
                 for name in names:
                     delattr(module, name)
                 module.fused_widths = widths  # type: ignore[assignment]
@@ -125,12 +141,13 @@ def _widths(module: nn.Module, fused: PackedLinear) -> tuple[int, ...] | None:
     return widths if isinstance(widths, tuple) and sum(widths) == fused.out_features else None
 
 
-def _fuse(layers: list[PackedLinear]) -> PackedLinear:
+def _fuse(layers: list[PackedLinear], chunked: bool) -> PackedLinear:
     """One packed layer for rows [M, in] -> [M, sum(out)]: the dense weights unpacked (exact),
     concatenated and packed once; the separate packed weights are dropped."""
     weight = torch.cat([layer.weight for layer in layers])
     biases = [layer.bias.detach() for layer in layers if layer.bias is not None]
-    return PackedLinear.from_linear(_linear(weight, torch.cat(biases) if biases else None), shared=False)
+    bias = torch.cat(biases) if biases else None
+    return PackedLinear.from_linear(_linear(weight, bias), shared=False, chunked=chunked)
 
 
 def _split(

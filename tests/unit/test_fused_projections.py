@@ -8,7 +8,7 @@ import torch
 
 import engine.llm_engine as llm_engine
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.fused_projections import fuse_packed_projections, fusion_is_exact
+from engine.fused_projections import fuse_packed_projections, fusion_is_exact, takes_chunks
 from engine.packed_linear import PackedLinear
 
 
@@ -69,3 +69,14 @@ def test_a_set_not_exact_at_another_thread_count_is_split_again(monkeypatch: pyt
         isinstance(getattr(layer.self_attn, name), PackedLinear) for name in ("q_proj", "k_proj", "v_proj")
     )
     assert beams(engine) == before
+
+
+def test_a_fused_layer_takes_the_chunks_its_parts_take() -> None:
+    """bfloat16 q/k/v of the 135M model: on the AMX host the parts take oneDNN's 32-row chunks
+    while the fused 576 -> 960 shape passes the any-M check; taking the chunks anyway keeps every
+    row's bits (past 32 rows the two paths differ), so the set fuses."""
+    widths = (576, 192, 192)
+    threads = torch.get_num_threads()
+    if not takes_chunks(576, widths, torch.bfloat16, threads):
+        pytest.skip("no part takes the fixed-row chunks on this host")
+    assert fusion_is_exact(576, widths, torch.bfloat16, "cpu", threads)
