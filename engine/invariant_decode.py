@@ -95,6 +95,26 @@ class AttentionSlice:
             raise ValueError(f"no decode layout for sliding window {sliding_window}")
         return self.window_hidden_keys[sliding_window]
 
+    def check_integrity(self) -> None:
+        """Every plan built this step covers the slice's pairs: one score row per (pair, kv head,
+        g), K/V rows for each bucket's items, one leaf per row inside the tree, the layout's keys
+        hidden."""
+        num_pairs, keys_per_item = self.pair_unit.shape[0], self.hidden_keys.shape[-1]
+        num_items = sum(bucket.num_items for bucket in self.buckets)
+        for (num_kv_heads, group, window, _, tokens_per_block), plan in self.plans.items():
+            assert (
+                plan.query_rows.shape[0] * group == plan.hidden.shape[0] == num_kv_heads * num_pairs * group
+            )
+            assert plan.kv_rows.shape[0] == 2 * num_kv_heads * num_items * keys_per_item
+            assert keys_per_item == PAGES_PER_ITEM * tokens_per_block and plan.num_leaves >= self.num_items
+            num_leaf_slots = num_kv_heads * self.token_index.shape[0] * plan.num_leaves * group
+            assert 0 <= int(plan.row_leaf.min()) and int(plan.row_leaf.max()) < num_leaf_slots
+            assert plan.row_leaf.unique().numel() == plan.row_leaf.numel()
+            assert [offset[0] for offset in plan.offsets] == [
+                num_kv_heads * b.first_pair for b in self.buckets
+            ]
+            assert int(plan.hidden.sum()) == num_kv_heads * group * int(self.hidden_keys_for(window).sum())
+
     def plan_for(
         self, num_kv_heads: int, group: int, sliding_window: int | None, kv_layer: torch.Tensor
     ) -> DecodePlan:

@@ -98,6 +98,7 @@ def test_one_plan_per_step_serves_every_layer() -> None:
     assert len(part.plans) == 1
     windowed = paged_attention(query, pool[:, 1], metadata, 0.125, sliding_window=64)
     assert len(part.plans) == 2
+    part.check_integrity()
     fresh = prepare_attention(seqs, 32, "cpu", [True] * 4, [3, 3, 3, 1], (64,))
     assert torch.equal(paged_attention(query, pool[:, 1], fresh, 0.125), second)
     assert torch.equal(paged_attention(query, pool[:, 1], fresh, 0.125, sliding_window=64), windowed)
