@@ -11,13 +11,14 @@ safe here: measured, summing a middle axis whose inner size is under 16 or so ch
 the axis length and the row count.
 
 Cost (issue 29): the step's index tensors are built once per step (`DecodePlan`, one per head
-layout and window, shared by every layer), so a layer runs about 30 tensor ops whatever the
+layout and window, shared by every layer), so a layer runs about 35 tensor ops whatever the
 batch: one `index_select` gathers every item's keys and values, head-major, from the pool seen
 as rows of D; one batched matmul per bucket of R (all kv heads and items together) for the
 scores, one for P @ V; every element-wise step over all rows at once. Before, a layer of a lone
 beam-4 request ran about 400 (a matmul per kv head and bucket, and a gather, scatter and copy
-per bucket), 0.54 ms of the 135M model's 0.9 ms layer. An item's matmul reads its keys with a
-row stride of D instead of Hkv D: measured to give the same bits (tests/unit/test_invariant_decode.py).
+per bucket): 24 ms of the 135M model's 91 ms float32 decode step, about half that now
+(docs/benchmarks.md). An item's matmul reads its keys with a row stride of D instead of Hkv D:
+measured to give the same bits (tests/unit/test_invariant_decode.py).
 
 Dimensions: U decode tokens (units), I items of the slice's longest unit, V visible (unit, item)
 pairs, P pages per item, T tokens per page, K = P T keys per item, Hkv kv heads, G = H / Hkv,
