@@ -333,7 +333,7 @@ def _onednn_chunked(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         _onednn_linear(padded[first : first + ONEDNN_CHUNK_ROWS], weight)
         for first in range(0, padded.shape[0], ONEDNN_CHUNK_ROWS)
     ]
-    return torch.cat(chunks)[: rows.shape[0]]
+    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks))[: rows.shape[0]]  # no copy of one chunk
 
 
 def onednn_linear_if_independent(

@@ -12,15 +12,11 @@ engine/batch_invariant.py):
   alone, so a prompt token computed whole, in a chunk that starts on or off a unit boundary,
   after a reused prefix or next to other prompts gives the same bits. Keys past a row's
   position are masked to -inf before the softmax.
-- decode tokens: a decode token alone (G rows per kv head) against items of PAGES_PER_ITEM pages,
-  each item's pages copied once in their page layout; scores [G, D] x [D, K] and P @ V [G, K] x
-  [K, D] are fixed-shape items of one batched matmul per kv head (strides that are constants),
-  the beams of one request that read the same item sharing one matmul of R G rows. Items are
-  summed by `tree_sum`, the softmax denominators too (item by item, then over items): a
-  pairwise tree with a fixed leaf for each item, so items past a token's position (or padding
-  up to the batch's longest context) only ever add exact zeros. torch's own `sum` is not safe
-  here: measured, summing a middle axis whose inner size is under 16 or so changes bits with
-  the axis length and the row count.
+- decode tokens (engine/invariant_decode.py): a decode token alone (G rows per kv head) against
+  items of PAGES_PER_ITEM pages, each item's keys and values copied once; scores [R G, D] x
+  [D, K] and P @ V [R G, K] x [K, D] are fixed-shape items (strides that are constants) of one
+  batched matmul per bucket of R, the beams of one request that read the same item; items and
+  the softmax denominators are summed by a pairwise tree with a fixed leaf per item.
 
 A sliding-window layer (window W) hides, in both paths, the keys at or before position - W as well;
 the hidden keys follow from a token's position and W alone, so invariance holds there too.
@@ -35,44 +31,26 @@ heads, Hkv kv heads, G = H / Hkv, D head dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from engine.invariant_decode import PAGES_PER_ITEM, AttentionSlice, decode_attention, make_slice, tree_sum
 from engine.kv_pool import KEY, VALUE
 
+__all__ = [
+    "PAGES_PER_ITEM",
+    "PROMPT_UNIT",
+    "AttentionSlice",
+    "InvariantLayout",
+    "PromptSequence",
+    "invariant_attention",
+    "prepare_invariant_layout",
+    "tree_sum",
+]
+
 PROMPT_UNIT = 64  # prompt queries per attention unit, aligned to positions (unit k: [64 k, 64 k + 64))
-PAGES_PER_ITEM = 4  # keys of one decode token's attention item: 4 pages (128 keys at T = 32)
 MAX_DECODE_ITEMS = 16384
-
-
-@dataclass(frozen=True)
-class AttentionSlice:
-    """Decode tokens that are computed together (one slice bounds the memory).
-
-    Only the (unit, item) pairs a unit can see are computed: an item wholly past a unit's last
-    position (padding up to the slice's longest context) would add exact zeros, so it is left out
-    and its place in the tree sum holds zeros (same bits, less work)."""
-
-    token_index: torch.Tensor  # [U, Q] index into the N new tokens; padding points at row N
-    num_items: int  # I: items of the slice's longest unit
-    pair_unit: torch.Tensor  # [V] the unit of each visible pair
-    pair_slot: torch.Tensor  # [V] unit * I + item: the pair's leaf in the unit's tree sum
-    pair_pages: torch.Tensor  # [V, pages per item] the item's pages (block 0 past the context)
-    hidden_keys: torch.Tensor  # [V, Q, K] bool: key k of the pair's item is hidden from unit row q
-    # The pairs of one request's beams that read the same item at the same position share one copy
-    # of its pages and one matmul of R G rows: per R, the member pairs [items, R] (R is a function
-    # of the request's own beams, never of the batch).
-    shared: tuple[torch.Tensor, ...] = ()
-    # Per sliding window W of the model: hidden_keys with the keys at or before position - W hidden too.
-    window_hidden_keys: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def hidden_keys_for(self, sliding_window: int | None) -> torch.Tensor:
-        if sliding_window is None:
-            return self.hidden_keys
-        if sliding_window not in self.window_hidden_keys:
-            raise ValueError(f"no decode layout for sliding window {sliding_window}")
-        return self.window_hidden_keys[sliding_window]
 
 
 @dataclass(frozen=True)
@@ -128,12 +106,12 @@ def prepare_invariant_layout(
     for group in decode_groups:
         pages = max(len(beam[2]) for beam in group)
         if current and (num_units + len(group)) * max(max_pages, pages) > MAX_DECODE_ITEMS:
-            slices.append(_make_slice(current, max_pages, tokens_per_block, device, sliding_windows))
+            slices.append(make_slice(current, max_pages, tokens_per_block, device, sliding_windows))
             current, num_units, max_pages = [], 0, 0
         current.append(group)
         num_units, max_pages = num_units + len(group), max(max_pages, pages)
     if current:
-        slices.append(_make_slice(current, max_pages, tokens_per_block, device, sliding_windows))
+        slices.append(make_slice(current, max_pages, tokens_per_block, device, sliding_windows))
     return InvariantLayout(tuple(slices), tuple(prompts))
 
 
@@ -166,71 +144,6 @@ def _prompt_sequence(
     )
 
 
-def _make_slice(
-    groups: list[list[tuple[int, int, Sequence[int]]]],
-    max_pages: int,
-    tokens_per_block: int,
-    device: torch.device | str,
-    sliding_windows: Sequence[int] = (),
-) -> AttentionSlice:
-    num_items = -(-max_pages // PAGES_PER_ITEM)
-    keys_per_item = PAGES_PER_ITEM * tokens_per_block
-    token_index: list[list[int]] = []
-    pair_unit: list[int] = []
-    pair_slot: list[int] = []
-    pair_pages: list[list[int]] = []
-    pair_positions: list[list[int]] = []
-    by_size: dict[int, list[list[int]]] = {}
-    for group in groups:
-        # (item pages, position) -> the pairs of this request's beams that read it
-        readers: dict[tuple[tuple[int, ...], int], list[int]] = {}
-        for token, position, pages in group:
-            unit = len(token_index)
-            token_index.append([token])
-            for item in range(position // keys_per_item + 1):
-                item_pages = list(pages[item * PAGES_PER_ITEM : (item + 1) * PAGES_PER_ITEM])
-                item_pages += [0] * (PAGES_PER_ITEM - len(item_pages))
-                readers.setdefault((tuple(item_pages), position), []).append(len(pair_unit))
-                pair_unit.append(unit)
-                pair_slot.append(unit * num_items + item)
-                pair_pages.append(item_pages)
-                pair_positions.append([position - item * keys_per_item])
-        for members in readers.values():
-            by_size.setdefault(len(members), []).append(members)
-    key_offsets = torch.arange(keys_per_item, device=device)  # [K]
-    positions_tensor = torch.tensor(pair_positions, dtype=torch.long, device=device)  # [V, Q]
-    hidden_keys = key_offsets[None, None, :] > positions_tensor[:, :, None]  # [V, Q, K]
-    # Key k of a pair's item is at position - (its position within the item - k): out of a window W
-    # when k <= position_in_item - W.
-    window_hidden_keys = {
-        window: hidden_keys | (key_offsets[None, None, :] <= positions_tensor[:, :, None] - window)
-        for window in sliding_windows
-    }
-    return AttentionSlice(
-        token_index=torch.tensor(token_index, dtype=torch.long, device=device),
-        num_items=num_items,
-        pair_unit=torch.tensor(pair_unit, dtype=torch.long, device=device),
-        pair_slot=torch.tensor(pair_slot, dtype=torch.long, device=device),
-        pair_pages=torch.tensor(pair_pages, dtype=torch.long, device=device),
-        hidden_keys=hidden_keys,
-        shared=tuple(
-            torch.tensor(members, dtype=torch.long, device=device) for _, members in sorted(by_size.items())
-        ),
-        window_hidden_keys=window_hidden_keys,
-    )
-
-
-def tree_sum(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` as a pairwise tree whose leaves are the indices along it: appending zeros
-    (a longer padded axis) or changing the other axes never changes a result's bits."""
-    tensor = tensor.movedim(dim, 0)
-    while tensor.shape[0] > 1:
-        if tensor.shape[0] % 2:
-            tensor = torch.cat((tensor, tensor.new_zeros((1, *tensor.shape[1:]))))
-        tensor = tensor[0::2] + tensor[1::2]
-    return tensor[0]
-
-
 def invariant_attention(
     query: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -243,12 +156,13 @@ def invariant_attention(
     num_tokens, num_heads, head_dim = query.shape
     # Half-precision queries compute in float32 (see _compute_dtype); the pages are cast as gathered.
     compute_query = query.to(_compute_dtype(query.dtype))
-    padded_query = torch.cat(
-        (compute_query, compute_query.new_zeros((1, num_heads, head_dim)))
-    )  # row N: padding
+    # Row N: padding, which only prompt units read (decode tokens index their own rows).
+    padded_query = compute_query.contiguous()
+    if layout.prompts:
+        padded_query = torch.cat((padded_query, padded_query.new_zeros((1, num_heads, head_dim))))
     output = padded_query.new_empty((num_tokens + 1, num_heads, head_dim))
     for part in layout.slices:
-        _decode_attention(padded_query, kv_layer, part, scale, output, sliding_window)
+        decode_attention(padded_query, kv_layer, part, scale, output, sliding_window)
     for prompt in layout.prompts:
         _prompt_attention(padded_query, kv_layer, prompt, scale, output, sliding_window)
     return output[:num_tokens].to(query.dtype)
@@ -315,76 +229,3 @@ def _prompt_attention(
             .transpose(0, 1)
             .reshape(PROMPT_UNIT, num_heads, head_dim)
         )
-
-
-def _decode_attention(
-    padded_query: torch.Tensor,
-    kv_layer: torch.Tensor,
-    part: AttentionSlice,
-    scale: float,
-    output: torch.Tensor,
-    sliding_window: int | None,
-) -> None:
-    """Decode tokens against fixed items of PAGES_PER_ITEM pages, summed by tree_sum.
-
-    Each item's pages are copied once, in their page layout [K, Hkv, D]; one batched matmul per kv
-    head reads a head's keys and values from that copy in place (its strides are constants), so
-    neither the keys' transpose nor the values' costs another copy. The softmax denominator
-    is a tree sum of the weights, item by item, then over items."""
-    num_heads, head_dim = padded_query.shape[1:]
-    num_kv_heads = kv_layer.shape[3]
-    group = num_heads // num_kv_heads
-    dtype, softmax_dtype = padded_query.dtype, _compute_dtype(padded_query.dtype)
-    num_units = part.token_index.shape[0]
-    hidden_keys = part.hidden_keys_for(sliding_window)
-    num_pairs, _, keys_per_item = hidden_keys.shape
-    unit_query = (padded_query[part.token_index[:, 0]] * scale).view(num_units, num_kv_heads, group, head_dim)
-    pair_query = unit_query[part.pair_unit]  # [V, Hkv, G, D]
-    # Per bucket of R pairs sharing an item: its pages copied once [n, K, Hkv, D], position order.
-    buckets = []
-    scores = padded_query.new_empty((num_kv_heads, num_pairs, group, keys_per_item))
-    for members in part.shared:
-        num_shared, size = members.shape
-        pages = part.pair_pages[members[:, 0]]
-        item_shape = (num_shared, keys_per_item, num_kv_heads, head_dim)
-        keys = _gather_pages(kv_layer, KEY, pages).view(item_shape)
-        values = _gather_pages(kv_layer, VALUE, pages).view(item_shape)
-        rows = (
-            pair_query[members]
-            .permute(2, 0, 1, 3, 4)
-            .reshape(num_kv_heads, num_shared, size * group, head_dim)
-        )
-        shared_scores = padded_query.new_empty((num_kv_heads, num_shared, size * group, keys_per_item))
-        for head in range(num_kv_heads):
-            torch.bmm(rows[head], keys[:, :, head].transpose(1, 2), out=shared_scores[head])
-        scores[:, members.reshape(-1)] = shared_scores.view(
-            num_kv_heads, num_shared * size, group, keys_per_item
-        )
-        buckets.append((members, values))
-    scores = scores.to(softmax_dtype).masked_fill_(hidden_keys[None, :, :, :], float("-inf"))
-    # The row maximum over a token's pairs: exact in any order.
-    item_max = scores.new_full((num_kv_heads, num_units * part.num_items, group), float("-inf"))
-    item_max[:, part.pair_slot] = scores.amax(dim=-1)
-    unit_max = item_max.view(num_kv_heads, num_units, part.num_items, group).amax(dim=2)
-    weights = scores.sub_(unit_max[:, part.pair_unit, :, None]).exp_()  # hidden keys exactly 0
-    cast_weights = weights.to(dtype)
-    partial = padded_query.new_empty((num_kv_heads, num_pairs, group, head_dim))
-    for members, values in buckets:
-        num_shared, size = members.shape
-        shared_weights = cast_weights[:, members.reshape(-1)].view(
-            num_kv_heads, num_shared, size * group, keys_per_item
-        )
-        shared_partial = padded_query.new_empty((num_kv_heads, num_shared, size * group, head_dim))
-        for head in range(num_kv_heads):
-            torch.bmm(shared_weights[head], values[:, :, head], out=shared_partial[head])
-        partial[:, members.reshape(-1)] = shared_partial.view(
-            num_kv_heads, num_shared * size, group, head_dim
-        )
-    leaves = partial.new_zeros((num_kv_heads, num_units * part.num_items, group, head_dim))
-    leaves[:, part.pair_slot] = partial
-    numerator = tree_sum(leaves.view(num_kv_heads, num_units, part.num_items, group, head_dim), dim=2)
-    weight_leaves = weights.new_zeros((num_kv_heads, num_units * part.num_items, group))
-    weight_leaves[:, part.pair_slot] = tree_sum(weights, dim=-1)
-    denominator = tree_sum(weight_leaves.view(num_kv_heads, num_units, part.num_items, group), dim=2)
-    unit_output = (numerator.to(softmax_dtype) / denominator[..., None]).to(dtype)  # [Hkv, U, G, D]
-    output[part.token_index[:, 0]] = unit_output.transpose(0, 1).reshape(num_units, num_heads, head_dim)

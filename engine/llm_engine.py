@@ -28,6 +28,7 @@ import torch
 from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
+from engine.fused_projections import fuse_packed_projections
 from engine.generation_side import GenerationSide
 from engine.heap import trim_heap
 from engine.kv_cache import CopyOp
@@ -103,6 +104,7 @@ class LLMEngine(ContextSide, GenerationSide):
         started = time.monotonic()
         if self.config.batch_invariant:
             warm_up_linear_layers(self.runner.model)
+            fuse_packed_projections(self.runner.model)
         # The de-quantized source tensors, the dense weights packing replaced and the checks'
         # random matrices are freed by now; hand their pages back (engine/heap.py).
         trim_heap()

@@ -39,20 +39,29 @@ class PackedLinear(nn.Module):
     call; otherwise through invariant_linear's other paths with the weight unpacked."""
 
     def __init__(
-        self, packed_weight: torch.Tensor, bias: nn.Parameter | None, shared: torch.Tensor | None
+        self,
+        packed_weight: torch.Tensor,
+        bias: nn.Parameter | None,
+        shared: torch.Tensor | None,
+        chunked: bool = False,
     ) -> None:
         """packed_weight: [out, in] from pack_onednn_weight; shared: the dense weight when another
-        module owns it too (a tied embedding), else None."""
+        module owns it too (a tied embedding), else None; chunked: rows go in oneDNN calls of
+        ONEDNN_CHUNK_ROWS wherever that check holds, even where the any-M one does too (a fused
+        layer whose parts take the chunks: engine/fused_projections.py)."""
         super().__init__()
+        self.chunked = chunked
         self.out_features, self.in_features = packed_weight.shape
         self.packed_weight = packed_weight
         self.bias = bias
         self._shared = shared
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, shared: bool) -> PackedLinear:
+    def from_linear(cls, linear: nn.Linear, shared: bool, chunked: bool = False) -> PackedLinear:
         weight = linear.weight.detach()
-        return cls(batch_invariant.pack_onednn_weight(weight), linear.bias, weight if shared else None)
+        return cls(
+            batch_invariant.pack_onednn_weight(weight), linear.bias, weight if shared else None, chunked
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -68,7 +77,10 @@ class PackedLinear(nn.Module):
         shape = (
             self.in_features, self.out_features, self.packed_weight.dtype, hidden.device.type, torch.get_num_threads()
         )  # fmt: skip
-        output = batch_invariant.onednn_linear_if_independent(hidden, self.packed_weight, shape)
+        if self.chunked and batch_invariant.onednn_chunks_are_independent(*shape):
+            output: torch.Tensor | None = batch_invariant._onednn_chunked(hidden, self.packed_weight)
+        else:
+            output = batch_invariant.onednn_linear_if_independent(hidden, self.packed_weight, shape)
         if output is not None:
             return output if self.bias is None else output + self.bias
         return batch_invariant.invariant_linear(hidden, self.weight, self.bias)

@@ -1,0 +1,161 @@
+"""Packed projections fused at load: q, k, v as one oneDNN weight, and gate with up, where the bits stay.
+
+A decode step of a small model at a few rows is many small oneDNN calls: 7 linear layers per
+decoder layer, each paying its call, its output and its threads' wake-up. Measured on the
+135M model's shapes (4 rows, 2 threads, issue 29): q, k and v (576 -> 576, 192, 192) took
+120 us apart and 79 us as one 576 -> 960 call in float32, 112 and 34 us in bfloat16; gate and
+up (576 -> 1536 twice) 308 against 274 us, and 237 against 202.
+
+oneDNN's inner product reduces each output over K in one order, whatever the output width, on
+the hosts measured here; that is measured, not assumed: `fusion_is_exact` compares, once per
+shape, dtype and thread count in the running process, every row's outputs from the fused weight
+with the separate layers' (both through PackedLinear's path for their shapes, for row counts
+from 1 to 300). Only where they are equal bit for bit are the layers fused, so a fused model
+computes exactly what the separate one does (and a worker that did not fuse agrees with one that
+did). A layer keeps its names' meaning: `qkv_proj` / `gate_up_proj` as the fused families name
+them, with the split the decoder already has for those families (engine/models/decoder.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+import engine.batch_invariant as batch_invariant
+from engine.packed_linear import PackedLinear
+
+logger = logging.getLogger(__name__)
+
+# (the fused layer's name, the separate layers' names, the decoder method that reads them fused / apart)
+FUSIONS = (
+    ("qkv_proj", ("q_proj", "k_proj", "v_proj"), "project", "_project_fused", "_project_apart"),
+    ("gate_up_proj", ("gate_proj", "up_proj"), "gate_up", "_gate_up_fused", "_gate_up_apart"),
+)
+
+
+@functools.cache
+def fusion_is_exact(
+    in_features: int, out_features: tuple[int, ...], dtype: torch.dtype, device_type: str, num_threads: int
+) -> bool:
+    """Do rows through one packed [sum(out), in] weight give each of the separate packed
+    [out_i, in] layers' outputs, bit for bit, at every row count? Checked here once per shape."""
+    if device_type != "cpu" or num_threads != torch.get_num_threads():
+        return False
+    generator = torch.Generator().manual_seed(6)
+    weights = [torch.randn(out, in_features, generator=generator).to(dtype) for out in out_features]
+    rows = torch.randn(300, in_features, generator=generator).to(dtype)
+    chunked = takes_chunks(in_features, out_features, dtype, num_threads)
+    try:
+        separate = [PackedLinear.from_linear(_linear(weight), shared=False) for weight in weights]
+        fused = PackedLinear.from_linear(_linear(torch.cat(weights)), shared=False, chunked=chunked)
+    except RuntimeError:  # no oneDNN inner product for this dtype
+        return False
+    for first, count in ((0, 1), (3, 4), (1, 5), (0, 32), (7, 33), (0, 300)):
+        part = rows[first : first + count]
+        if not torch.equal(fused(part), torch.cat([layer(part) for layer in separate], dim=1)):
+            return False
+    return True
+
+
+def takes_chunks(
+    in_features: int, out_features: tuple[int, ...], dtype: torch.dtype, num_threads: int
+) -> bool:
+    """Does any of the separate layers take oneDNN's fixed-row chunks (its any-M check fails)? Then
+    the fused layer takes them too, whatever its own shape's checks say: on the AMX host the
+    bfloat16 576 -> 960 shape passes the any-M check where 576 -> 576 and 576 -> 192 do not, and
+    the two paths give a row other bits past 32 rows."""
+    return not all(
+        batch_invariant.onednn_rows_are_independent(in_features, out, dtype, "cpu", num_threads)
+        for out in out_features
+    )
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
+def fuse_packed_projections(model: nn.Module) -> int:
+    """Fuses, in place, every q/k/v and gate/up set of PackedLinear layers where fusion_is_exact
+    holds at this thread count, and splits a fused set again where it does not (a warm-up at
+    another thread count); returns the fused sets now in the model."""
+    num_threads = torch.get_num_threads()
+    num_fused = 0
+    for module in list(model.modules()):
+        for fused_name, names, method, fused_method, apart_method in FUSIONS:
+            if not hasattr(module, fused_method):
+                continue
+            fused = getattr(module, fused_name, None)
+            parts = [getattr(module, name, None) for name in names]
+            if isinstance(fused, PackedLinear) and getattr(module, method) == getattr(module, fused_method):
+                widths = _widths(module, fused)
+                if widths is None:  # fused in the checkpoint (Phi-3): not ours to split
+                    continue
+                shape = (fused.in_features, widths, fused.packed_weight.dtype, "cpu", num_threads)
+                if fusion_is_exact(*shape):
+                    fused.chunked = takes_chunks(fused.in_features, widths, shape[2], num_threads)
+                    num_fused += 1
+                    continue
+                _split(module, fused_name, fused, names, widths)
+                setattr(module, method, getattr(module, apart_method))
+            elif all(isinstance(part, PackedLinear) for part in parts):
+                layers = [part for part in parts if isinstance(part, PackedLinear)]
+                if len({layer.bias is None for layer in layers}) > 1:
+                    continue  # a zero bias would turn a -0.0 output into +0.0
+                widths = tuple(layer.out_features for layer in layers)
+                shape = (layers[0].in_features, widths, layers[0].packed_weight.dtype, "cpu", num_threads)
+                if not fusion_is_exact(*shape):
+                    continue
+                chunked = takes_chunks(shape[0], widths, shape[2], num_threads)
+                setattr(module, fused_name, _fuse(layers, chunked))
+                for name in names:
+                    delattr(module, name)
+                module.fused_widths = widths  # type: ignore[assignment]
+                setattr(module, method, getattr(module, fused_method))
+                num_fused += 1
+    for module in model.modules():
+        for fused_name, *_ in FUSIONS:
+            fused = getattr(module, fused_name, None)
+            if isinstance(fused, PackedLinear):  # its own kernel checks, now rather than on a request
+                kernel_shape = (
+                    fused.in_features,
+                    fused.out_features,
+                    fused.packed_weight.dtype,
+                    "cpu",
+                    num_threads,
+                )
+                if not batch_invariant.onednn_rows_are_independent(*kernel_shape):
+                    batch_invariant.onednn_chunks_are_independent(*kernel_shape)
+    logger.info("fused projections at %d threads: %d sets", num_threads, num_fused)
+    return num_fused
+
+
+def _widths(module: nn.Module, fused: PackedLinear) -> tuple[int, ...] | None:
+    widths = getattr(module, "fused_widths", None)
+    return widths if isinstance(widths, tuple) and sum(widths) == fused.out_features else None
+
+
+def _fuse(layers: list[PackedLinear], chunked: bool) -> PackedLinear:
+    """One packed layer for rows [M, in] -> [M, sum(out)]: the dense weights unpacked (exact),
+    concatenated and packed once; the separate packed weights are dropped."""
+    weight = torch.cat([layer.weight for layer in layers])
+    biases = [layer.bias.detach() for layer in layers if layer.bias is not None]
+    bias = torch.cat(biases) if biases else None
+    return PackedLinear.from_linear(_linear(weight, bias), shared=False, chunked=chunked)
+
+
+def _split(
+    module: nn.Module, fused_name: str, fused: PackedLinear, names: tuple[str, ...], widths: tuple[int, ...]
+) -> None:
+    weights = fused.weight.split(widths)
+    biases = [None] * len(widths) if fused.bias is None else list(fused.bias.detach().split(widths))
+    delattr(module, fused_name)
+    for name, weight, bias in zip(names, weights, biases, strict=True):
+        setattr(module, name, PackedLinear.from_linear(_linear(weight.contiguous(), bias), shared=False))
+    del module.fused_widths
