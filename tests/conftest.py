@@ -1,9 +1,17 @@
 """Session hooks: a session that will run the lm-eval test builds lm-eval's venv in the background
-from collection on (tests/helpers/lm_eval_venv.py), and ends that build if it outlives the session."""
+from collection on (tests/helpers/lm_eval_venv.py), and ends that build if it outlives the session.
+
+The suite runs servers beside each other and beside in-process engines on a few cores: every
+process it starts, and this one, waits at OpenMP barriers asleep (OMP_WAIT_POLICY=PASSIVE, set
+before torch loads), as beamsplit chooses for shared cores (beamsplit/cli/thread_wait.py, whose own
+tests clear it). A policy already in the environment is kept."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 

@@ -56,14 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
 
     from beamsplit.cli.config_file import parse_args_with_config
-    from beamsplit.cli.thread_wait import apply_default_wait_policy
+    from beamsplit.cli.thread_wait import apply_wait_policy
 
-    # Before anything imports torch: OpenMP threads sleep at barriers instead of spinning, which
-    # shared cores need (beamsplit/cli/thread_wait.py; OMP_WAIT_POLICY in the environment wins).
-    apply_default_wait_policy(os.environ, "torch" in sys.modules)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    # Before anything imports torch: OpenMP threads sleep at barriers where the cores are shared,
+    # spin briefly where they are this server's own (beamsplit/cli/thread_wait.py; an
+    # OMP_WAIT_POLICY the user set wins).
+    apply_wait_policy(arguments, os.environ, "torch" in sys.modules)
 
     parser = build_parser()
-    args = parse_args_with_config(parser, sys.argv[1:] if argv is None else list(argv))
+    args = parse_args_with_config(parser, arguments)
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:

@@ -47,12 +47,13 @@ ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | 
     )
 )
 
-# The environment default beamsplit.cli.main sets (beamsplit/cli/thread_wait.py), told where a
-# user who owns the cores looks for what to change.
+# The choice beamsplit.cli.main makes (beamsplit/cli/thread_wait.py), told where a user looks for
+# what to change.
 WAIT_POLICY_NOTE = (
-    "torch's OpenMP threads sleep at barriers (OMP_WAIT_POLICY=PASSIVE, set unless the environment "
-    "sets it): on cores other processes use, spinning threads measured up to 60 times slower; on "
-    "cores this server owns alone, OMP_WAIT_POLICY=ACTIVE saves a wake-up per parallel region "
+    "torch's OpenMP threads: with --shares-cores, or when the host's CPUs are busy as the server "
+    "starts, they sleep at barriers (OMP_WAIT_POLICY=PASSIVE; spinning measured up to 60 times "
+    "slower on shared cores); otherwise libgomp's default (spin, then sleep) saves a wake-up per "
+    "parallel region. The start-up log says which; an OMP_WAIT_POLICY in the environment wins "
     "(docs/service.md)"
 )
 

@@ -1,32 +1,111 @@
-"""OpenMP's wait policy for every process the command line starts, set before torch loads libgomp.
+"""OpenMP's wait policy for every process the command line starts, chosen before torch loads libgomp.
 
-torch's CPU kernels run in OpenMP parallel regions; by default libgomp's idle threads spin at
-each region's end barrier before they sleep. On cores shared with other busy processes (the
-2-core hosts these benchmarks run on, a context and a generation worker on one host) a spinning
-thread burns the time slice its sibling needs to reach the barrier, and every region then waits a
-scheduler tick: measured on a 2-core Xeon at load average 5 (other jobs running), SmolLM2-135M
-in float32, 2 threads, a 256-token prompt and 8 beam-4 steps took 3 to 36 s spinning and 1.1 to
-1.9 s with OMP_WAIT_POLICY=PASSIVE (1 thread: 1.2 to 2.8 s); the aggregated server's greedy
-inter-token gap went from 1.68 s to 0.12 s. On an idle host spinning is faster by a
-wake-up per region (the same request took 0.77 s spinning at load 1), so a user who owns the cores
-sets OMP_WAIT_POLICY=ACTIVE (or any value): a value already in the environment is kept.
+torch's CPU kernels run in OpenMP parallel regions; libgomp's idle threads spin for a while at each
+region's end barrier before they sleep (its default), or sleep at once (`OMP_WAIT_POLICY=PASSIVE`).
+Which is faster depends on who else computes on the cores:
+- cores shared with other busy processes (a context and a generation worker on one host, other
+  jobs): a spinning thread burns the time slice its sibling needs to reach the barrier, and every
+  region waits a scheduler tick. Measured on a 2-core Xeon at load average 5, SmolLM2-135M in
+  float32, 2 threads, a 256-token prompt and 8 beam-4 steps: 3 to 36 s spinning, 1.1 to 1.9 s
+  sleeping; the aggregated server's greedy inter-token gap 1.68 s against 0.12 s.
+- cores this process has to itself: sleeping costs a wake-up per region (docs/benchmarks.md: the
+  same host idle, 32 beam-4 steps: 2.48 s spinning against 2.93 s sleeping).
+So an engine server (`serve aggregated|context|generation`, `generate`) keeps libgomp's default
+where its cores are its own: it was not told --shares-cores, and the host's CPUs were idle enough
+for its threads when it started (sampled from /proc/stat); otherwise PASSIVE. Other commands
+(launchers, benchmarks, status) set PASSIVE for themselves. A value the user put in the
+environment is always kept. A value chosen here carries CHOICE_VARIABLE beside it (the reason), so
+that a server a beamsplit command starts chooses again for itself instead of inheriting it.
 
 libgomp reads the variable once, when torch's import loads it, so this runs before any import of
-torch (`beamsplit.cli.main`); child processes inherit it through the environment.
+torch (`beamsplit.cli.main`).
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import os
+import time
+from collections.abc import Callable, MutableMapping, Sequence
 
 WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
-DEFAULT_WAIT_POLICY = "PASSIVE"
+CHOICE_VARIABLE = "BEAMSPLIT_OMP_WAIT_CHOICE"  # why beamsplit chose the policy (absent: the user's)
+PASSIVE = "PASSIVE"
+ENGINE_COMMANDS = (("serve", "aggregated"), ("serve", "context"), ("serve", "generation"), ("generate",))
+IDLE_SAMPLE_S = 0.2
+# A CPU counts as free for a thread when the host's idle CPUs, sampled over IDLE_SAMPLE_S, reach
+# the thread count less this slack (the sample itself and short blips).
+IDLE_SLACK_CPUS = 0.5
 
 
-def apply_default_wait_policy(environ: MutableMapping[str, str], is_torch_loaded: bool) -> str | None:
-    """Sets OMP_WAIT_POLICY to PASSIVE in `environ` unless it is set already or torch (and so
-    libgomp) is loaded, when setting it would change nothing; returns the value set, else None."""
-    if is_torch_loaded or WAIT_POLICY_VARIABLE in environ:
+def idle_cpus(sample_s: float = IDLE_SAMPLE_S) -> float:
+    """The host's idle CPUs, averaged over sample_s (/proc/stat's idle + iowait); the CPU count
+    where /proc/stat cannot be read (no evidence of other work)."""
+
+    def times() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            values = [int(value) for value in stat.readline().split()[1:]]
+        return values[3] + values[4], sum(values[:8])  # idle + iowait, all but guest time
+
+    try:
+        idle_before, total_before = times()
+        time.sleep(sample_s)
+        idle_after, total_after = times()
+    except (OSError, ValueError, IndexError):
+        return float(os.cpu_count() or 1)
+    elapsed = total_after - total_before
+    return (os.cpu_count() or 1) * (idle_after - idle_before) / elapsed if elapsed > 0 else 0.0
+
+
+def engine_threads(environ: MutableMapping[str, str]) -> int:
+    """The OpenMP threads torch will use: OMP_NUM_THREADS, else the usable CPUs."""
+    usable = len(os.sched_getaffinity(0))
+    try:
+        return max(1, min(usable, int(environ.get("OMP_NUM_THREADS", usable))))
+    except ValueError:
+        return usable
+
+
+def choose_wait_policy(
+    argv: Sequence[str], environ: MutableMapping[str, str], measure_idle: Callable[[], float] = idle_cpus
+) -> tuple[str | None, str]:
+    """(policy, why): None keeps libgomp's default (spin, then sleep)."""
+    words = [word for word in argv if not word.startswith("-")]
+    if not any(tuple(words[: len(command)]) == command for command in ENGINE_COMMANDS):
+        return PASSIVE, "not an engine server"
+    if "--shares-cores" in argv:
+        return PASSIVE, "--shares-cores"
+    threads, idle = engine_threads(environ), measure_idle()
+    if idle < threads - IDLE_SLACK_CPUS:
+        return PASSIVE, f"{idle:.1f} CPUs idle at start-up for {threads} threads"
+    return (
+        None,
+        f"{idle:.1f} CPUs idle at start-up for {threads} threads: libgomp's default (spin, then sleep)",
+    )
+
+
+def apply_wait_policy(
+    argv: Sequence[str],
+    environ: MutableMapping[str, str],
+    is_torch_loaded: bool,
+    measure_idle: Callable[[], float] = idle_cpus,
+) -> str | None:
+    """Chooses the policy for this process into `environ` unless the user set OMP_WAIT_POLICY or
+    torch (and so libgomp) is loaded already, when it would change nothing; returns the reason
+    recorded, else None."""
+    if is_torch_loaded or (WAIT_POLICY_VARIABLE in environ and CHOICE_VARIABLE not in environ):
         return None
-    environ[WAIT_POLICY_VARIABLE] = DEFAULT_WAIT_POLICY
-    return DEFAULT_WAIT_POLICY
+    policy, why = choose_wait_policy(argv, environ, measure_idle)
+    if policy is None:
+        environ.pop(WAIT_POLICY_VARIABLE, None)
+    else:
+        environ[WAIT_POLICY_VARIABLE] = policy
+    environ[CHOICE_VARIABLE] = why
+    return why
+
+
+def describe_wait_policy(environ: MutableMapping[str, str]) -> str:
+    """One line for a server's start-up log: the policy in force and who chose it."""
+    policy = environ.get(WAIT_POLICY_VARIABLE)
+    if CHOICE_VARIABLE not in environ:
+        return f"OpenMP wait policy {policy or 'libgomp default'} (from the environment)"
+    return f"OpenMP wait policy {policy or 'libgomp default'} ({environ[CHOICE_VARIABLE]})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import time
@@ -62,9 +63,11 @@ def start_engine(
     other worker of a one-host deployment) computes on the same cores; see `one_pool` below."""
     import torch
 
+    from beamsplit.cli.thread_wait import describe_wait_policy
     from engine import LLMEngine
 
     num_threads = torch.get_num_threads()
+    logger.info("%d threads; %s", num_threads, describe_wait_policy(os.environ))
     # torch's OpenMP pool belongs to the thread that calls into it. A loop on a thread of its own
     # gets the process's threads, and the main thread loads the model with one (no pool), so the
     # process holds one pool whose threads spin at its barriers: a decode step as fast as on the
