@@ -77,10 +77,7 @@ def choose_wait_policy(
     threads, idle = engine_threads(environ), measure_idle()
     if idle < threads - IDLE_SLACK_CPUS:
         return PASSIVE, f"{idle:.1f} CPUs idle at start-up for {threads} threads"
-    return (
-        None,
-        f"{idle:.1f} CPUs idle at start-up for {threads} threads: libgomp's default (spin, then sleep)",
-    )
+    return None, f"{idle:.1f} CPUs idle at start-up for {threads} threads"
 
 
 def apply_wait_policy(
@@ -105,7 +102,6 @@ def apply_wait_policy(
 
 def describe_wait_policy(environ: MutableMapping[str, str]) -> str:
     """One line for a server's start-up log: the policy in force and who chose it."""
-    policy = environ.get(WAIT_POLICY_VARIABLE)
-    if CHOICE_VARIABLE not in environ:
-        return f"OpenMP wait policy {policy or 'libgomp default'} (from the environment)"
-    return f"OpenMP wait policy {policy or 'libgomp default'} ({environ[CHOICE_VARIABLE]})"
+    policy = environ.get(WAIT_POLICY_VARIABLE) or "libgomp's default (spin, then sleep)"
+    who = "from the environment" if CHOICE_VARIABLE not in environ else environ[CHOICE_VARIABLE]
+    return f"OpenMP wait policy {policy} ({who})"
