@@ -74,8 +74,10 @@ def final_choices(
     for index, beam in enumerate(final.beams[: parsed.num_choices]):
         text, finish_reason = beam.text, beam.finish_reason
         token_ids, generated = list(beam.token_ids), list(beam.logprobs)
+        cumulative_logprob, score = beam.cumulative_logprob, beam.score
         if parsed.drops_generated:  # max_tokens 0: the one token decided is not part of the answer
             text, finish_reason, token_ids, generated = "", "length", [], []
+            cumulative_logprob = score = 0.0  # of no generated token (the dropped one may be sampled)
         cut = first_stop(text, parsed.stop)
         if cut is not None:
             text, finish_reason = text[:cut], "stop"
@@ -96,8 +98,8 @@ def final_choices(
                 echo_text + text,
                 finish_reason,
                 token_ids,
-                beam.cumulative_logprob,
-                beam.score,
+                cumulative_logprob,
+                score,
                 logprobs,
             )  # fmt: skip
         )
