@@ -51,7 +51,11 @@ from engine.types import EngineCounters, KVRegion, RequestOutput, TokenLogprob
 class LLMEngine(ContextSide, GenerationSide):
     def __init__(self, config: EngineConfig, queue_limits: QueueLimits | None = None) -> None:
         """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
-        model, self.model_config, self.tokenizer = load_model(config.model, config.dtype, config.device)
+        # A tied embedding's dense copy goes where packing puts the head (engine/packed_linear.py).
+        compact = config.batch_invariant and torch.device(config.device).type == "cpu"
+        model, self.model_config, self.tokenizer = load_model(
+            config.model, config.dtype, config.device, compact_tied_embedding=compact
+        )
         if config.batch_invariant:
             # Every kernel check and weight packing now, before anyone calls this engine ready:
             # not on the first request (engine/packed_linear.py).

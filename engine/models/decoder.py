@@ -25,6 +25,7 @@ from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import GroupedKVPool, KVPool
 from engine.models.config import Llama3RopeScaling, ModelConfig
 from engine.models.moe import SparseMoeBlock
+from engine.models.q8_embedding import embedding_dtype
 from engine.models.traits import GELU_TANH, AttentionKind
 
 
@@ -281,7 +282,7 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return embedding_dtype(self.embed_tokens)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> [N, E]; Gemma's scale is rounded to the model dtype first, as transformers does."""

@@ -22,6 +22,7 @@ from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import GroupedKVPool, KVPool
 from engine.models.config import ATTENTION_LAYER, ModelConfig
 from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.q8_embedding import embedding_dtype
 from engine.models.short_conv import RecurrentMetadata, short_conv
 from engine.state_pool import StatePool
 
@@ -142,7 +143,7 @@ class Lfm2Model(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return embedding_dtype(self.embed_tokens)
 
     @torch.no_grad()
     def forward(

@@ -23,6 +23,7 @@ from engine.models.config import ATTENTION_LAYER, CONV_LAYER, ModelConfig
 from engine.models.decoder import LlamaModel
 from engine.models.gguf_checkpoint import GGUFCheckpoint
 from engine.models.lfm2 import Lfm2Model
+from engine.models.q8_embedding import untie_as_q8
 from engine.models.source import ModelFormat, resolve_model_source
 from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -81,8 +82,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    name_or_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    name_or_dir: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    compact_tied_embedding: bool = False,
 ) -> tuple[Model, ModelConfig, Tokenizer]:
+    """compact_tied_embedding: a GGUF model whose head is tied to its embedding keeps the
+    embedding in the file's Q8_0 form where that gives the same bits (engine/models/q8_embedding.py),
+    for a caller that packs the head (its dense copy is then the head's alone, and dropped)."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model_source(name_or_dir)
     started = time.monotonic()
@@ -103,6 +110,8 @@ def load_model(
         model = build_model_from_checkpoint(config, source.path, torch_dtype)
         tokenizer = load_tokenizer(source.path, config.bos_token_id, config.eos_token_id)
     model = model.to(dtype=torch_dtype, device=device).eval()
+    if compact_tied_embedding and source.format is ModelFormat.GGUF and config.tie_word_embeddings:
+        untie_as_q8(model, checkpoint.embedding_q8_rows())
     if not source.is_tiny:
         num_parameters = sum(parameter.numel() for parameter in model.parameters())
         logger.info(

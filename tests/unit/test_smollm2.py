@@ -25,7 +25,9 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.models.loader import load_model_tokenizer
+from engine.models.q8_embedding import Q8Embedding
 from engine.models.source import resolve_model_source
+from engine.packed_linear import PackedLinear
 from engine.tokenizer import Tokenizer
 from tests.helpers.hf_reference import ReferenceBeam, reference_beams
 
@@ -194,6 +196,16 @@ def test_some_beams_end_on_eos(models: Models) -> None:
     beams, _ = run_both(models.engine, models.reference, prompt_ids(models.tokenizer, case.prompt), case, eos)
     assert all(beam.finish_reason == "stop" and beam.token_ids[-1] == eos for beam in beams)
     assert models.tokenizer.decode(beams[0].token_ids) == "The capital of France is Paris."
+
+
+def test_tied_embedding_is_not_held_twice(models: Models) -> None:
+    """The head is tied to the embedding; packed, it is the one dense copy (engine/models/q8_embedding.py)."""
+    model = models.engine32.runner.model
+    assert isinstance(model.embed_tokens, Q8Embedding)
+    if isinstance(model.lm_head, PackedLinear):  # where oneDNN's check holds (every host measured so far)
+        assert model.lm_head._shared is None
+    weight = model.lm_head.weight  # unpacked: exactly the file's de-quantized rows
+    assert torch.equal(model.embed_tokens(torch.arange(weight.shape[0])), weight)
 
 
 def test_float32_agreement_rate(models: Models, record_property: pytest.RecordProperty) -> None:

@@ -29,6 +29,7 @@ from engine.models.gguf_checkpoint.bpe_tokenizer import byte_level_bpe
 from engine.models.gguf_checkpoint.metadata import GGUFError, Metadata
 from engine.models.gguf_checkpoint.spm_tokenizer import sentencepiece_bpe
 from engine.models.gguf_checkpoint.tensors import hf_tensors
+from engine.models.q8_embedding import Q8Rows
 from engine.tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
@@ -135,3 +136,11 @@ class GGUFCheckpoint:
             if progress is not None and (index % 64 == 0 or index == num_tensors):
                 progress(f"de-quantized {index}/{num_tensors} tensors ({time.monotonic() - started:.1f} s)")
         return state
+
+    def embedding_q8_rows(self) -> Q8Rows | None:
+        """The token embedding's rows as the file stores them where that is Q8_0, else None (see
+        engine/models/q8_embedding.py: the engine may keep them instead of a dense copy)."""
+        for tensor in self.reader.tensors:
+            if tensor.name == "token_embd.weight" and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+                return Q8Rows.from_blocks(torch.from_numpy(np.array(tensor.data, dtype=np.uint8)))
+        return None
