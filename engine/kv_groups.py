@@ -40,6 +40,12 @@ class KVGroups:
         ]
         self.tokens_per_block = config.tokens_per_block
         self.stats = KVCacheStats()  # the sum over groups (prompt lookups: counted once)
+        # "full" or "window<W>" per group (several groups may share a name: their kind), and the
+        # kinds in group order, each once (metric labels, status): fixed with the groups.
+        self._group_names = tuple(
+            "full" if group.window is None else f"window{group.window}" for group in groups
+        )
+        self._kind_names = tuple(dict.fromkeys(self._group_names))
 
     @classmethod
     def of_manager(cls, manager: KVCacheManager) -> KVGroups:
@@ -74,11 +80,11 @@ class KVGroups:
     # -- queries -----------------------------------------------------------------------------
     def group_names(self) -> tuple[str, ...]:
         """ "full" or "window<W>" per group (several groups may share a name: their kind)."""
-        return tuple("full" if group.window is None else f"window{group.window}" for group in self.groups)
+        return self._group_names
 
     def kind_names(self) -> tuple[str, ...]:
         """The attention kinds, in group order, each once (metric labels, status)."""
-        return tuple(dict.fromkeys(self.group_names()))
+        return self._kind_names
 
     def num_kind_blocks_in_use(self) -> BlockCounts:
         """Blocks in use per attention kind (kind_names): summed over the kind's groups."""
