@@ -361,10 +361,14 @@ def beams_of(output: RequestOutput) -> list[tuple[list[int], float, float]]:
     return [(beam.token_ids, beam.score, beam.cumulative_logprob) for beam in output.beams]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_requests_in_a_changing_batch_equal_their_runs_alone(
     model_dir: Path, dtype: str, linear_path: str
 ) -> None:
+    """bfloat16 on the oneDNN paths only (what serves it; on an AMX host both are the call-size
+    path, whose decode and prompt rows take calls of different sizes)."""
+    if dtype == "bfloat16" and not linear_path.startswith("onednn"):
+        pytest.skip("bfloat16 is served by the oneDNN paths")
     requests = mixed_requests()
     alone = {
         request_id: beams_of(make_engine(model_dir, dtype).generate(prompt, params))
