@@ -35,8 +35,9 @@ ONEDNN_MIN_ROWS = 4  # fewer rows are zero-padded: one row takes a matrix-vector
 # and 2 rows took 24-28 ms where 4 took 15-21 (the 156M model's linear layers)
 ONEDNN_PACK_ROWS = 16  # the row count oneDNN's weight layout is chosen for (any gives the same bits)
 ONEDNN_CHUNK_ROWS = 32  # the largest oneDNN call where only some row counts keep rows apart (AMX bf16)
-# Row counts a call may take there, ascending, the last the reference: a 4-row call costs 40-60% of
-# a 32-row one at 576 -> 3072 and 1536 -> 576 (bfloat16, 1 thread); 1 to 3 rows cost what 4 do.
+# Row counts a call may take there, ascending, the last the reference: a 4-row call cost 60-80% of
+# a 32-row one (bfloat16, 1 thread: 1536 -> 576 43 against 72 us, 576 -> 3072 149 against 184, the
+# 576 -> 49152 head 2109 against 2678); 1 to 3 rows cost what 4 do, 24 what 32 do.
 ONEDNN_CALL_SIZES = (4, 8, 16, ONEDNN_CHUNK_ROWS)
 ANY_ROW_COUNTS = (256, 100, 64, 33, 16, 13, 8, 5, 4, 3, 2)  # the any-M check's, fewest calls first
 
