@@ -10,11 +10,10 @@ every item the same bits whatever the item count.
 So every matmul here has a shape that depends on nothing but the token's role and its own request,
 or is one that was measured not to care. `invariant_linear` takes the first of these paths that
 was measured safe in the running process (once per shape, dtype and thread count):
-- oneDNN (`onednn_rows_are_independent`): all rows in one inner-product call, zero-padded
-  to at least ONEDNN_MIN_ROWS. oneDNN's kernels keep K in one order whatever the row count, so every
-  row has the same bits for any M >= 2 at any position, with any thread count and with the weight
-  packed or not (measured, float32 and bfloat16; M = 1 takes a matrix-vector kernel). On this
-  host (AMD EPYC, AVX-512) it is also the fastest: the 156M model's linear layers took 15-21 ms
+- oneDNN (engine/onednn_calls.py): all rows in one inner-product call where any row count keeps
+  rows apart (`onednn_rows_are_independent`; float32, and bfloat16 without AMX), else in calls of
+  the row counts measured to agree (`onednn_call_sizes`; bfloat16 on AMX). On an AMD EPYC host
+  (AVX-512) it is also the fastest: the 156M model's linear layers took 15-21 ms
   for 4 rows (fewer are padded to 4) against 31 ms for one row as MKL's matrix-vector product and
   40 ms for a group of 4 columns, and 27-35 ms against 131 ms for 16 rows. The engine
   packs the weights for it once at load (engine/packed_linear.py), keeping no dense copy.
@@ -46,15 +45,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.onednn_calls import onednn_linear_if_independent, pad_rows
+
 MATMUL_ROW_MULTIPLE = 4  # one plain matmul: rows padded to a multiple of 4 (see rows_are_independent)
 ROW_CHUNK = 16  # rows per matmul item in invariant_linear when no RowLayout is set
 PROMPT_ROW_CHUNK = 64  # prompt rows per matmul item (measured: as fast as one plain matmul at 512 rows)
 COLUMN_GROUP = 4  # decode rows per `weight @ rows.T` kernel group (see columns_are_independent)
 COLUMNS_PER_CALL = 2 * COLUMN_GROUP  # up to two groups per call (faster than two calls; same bits)
-ONEDNN_MIN_ROWS = 4  # fewer rows are zero-padded: one row takes a matrix-vector kernel (other bits),
-# and 2 rows took 24-28 ms where 4 took 15-21 (the 156M model's linear layers)
-ONEDNN_PACK_ROWS = 16  # the row count oneDNN's weight layout is chosen for (any gives the same bits)
-ONEDNN_CHUNK_ROWS = 32  # rows per oneDNN call where only fixed-shape calls keep rows apart (AMX bf16)
 
 
 @dataclass(frozen=True)
@@ -238,132 +235,10 @@ def columns_are_independent(
     return torch.equal(weight @ calls, torch.cat(groups, dim=1))
 
 
-def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] (M >= ONEDNN_MIN_ROWS) -> [M, out] by oneDNN's inner product; `weight` is
-    [out, in], dense or packed by pack_onednn_weight."""
-    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, None, "none", [], "")
-
-
-def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's blocked layout, which spares each call a reorder."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_PACK_ROWS)
-
-
-@functools.cache
-def onednn_rows_are_independent(
-    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
-) -> bool:
-    """Does oneDNN's inner product over M >= 2 rows give every row the same bits for every M,
-    wherever the row sits, with the weight packed (pack_onednn_weight) or dense?
-
-    Measured on this build (oneDNN 3.12, AVX-512): yes for float32 and bfloat16 at every M from 2
-    to 4096, 1 to 3 threads, every shape of the models here (LM heads included); the bits do not
-    change with the thread count. M = 1 differs with the dense weight (a matrix-vector kernel; with
-    the packed one it does not), hence the padding;
-    float64 and float16 have no inner product there. Checked here once per shape, dtype and
-    thread count in the process that runs; GPUs take the other paths."""
-    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    generator = torch.Generator().manual_seed(2)
-    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    rows = torch.randn(300, in_features, generator=generator).to(dtype)
-    try:
-        packed = pack_onednn_weight(weight)
-        reference = _onednn_linear(rows, packed)
-        if not torch.equal(_onednn_linear(rows, weight), reference):
-            return False
-    except RuntimeError:  # no oneDNN inner product for this dtype or shape
-        return False
-    for count, offset in (
-        (2, 0),
-        (2, 7),
-        (3, 5),
-        (4, 9),
-        (5, 1),
-        (8, 3),
-        (13, 40),
-        (16, 1),
-        (33, 250),
-        (64, 100),
-        (100, 5),
-        (256, 44),
-    ):
-        if not torch.equal(
-            _onednn_linear(rows[offset : offset + count], packed), reference[offset : offset + count]
-        ):
-            return False
-    return True
-
-
-@functools.cache
-def onednn_chunks_are_independent(
-    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
-) -> bool:
-    """Does oneDNN's inner product over exactly ONEDNN_CHUNK_ROWS rows give every row the same bits
-    wherever it sits in the call and whatever rows are next to it, weight packed or dense?
-
-    The fallback where `onednn_rows_are_independent` fails: on a host with AMX (Xeon, bfloat16)
-    oneDNN picks its kernel and blocking from the row count, so the same row differs between
-    M = 16 and M = 300 (measured, 2 threads, the 135M model's 576x1536, 1536x576 and 576x49152
-    layers), yet every call of one fixed M gave each row the same bits at every offset, at 1 and 2
-    threads, for all its shapes. Checked here once per shape, dtype and thread count."""
-    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    generator = torch.Generator().manual_seed(4)
-    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    rows = torch.randn(10 * ONEDNN_CHUNK_ROWS, in_features, generator=generator).to(dtype)
-    try:
-        packed = pack_onednn_weight(weight)
-        reference = _onednn_chunked(rows[: 8 * ONEDNN_CHUNK_ROWS], packed)
-        if not torch.equal(_onednn_linear(rows[:ONEDNN_CHUNK_ROWS], weight), reference[:ONEDNN_CHUNK_ROWS]):
-            return False
-    except RuntimeError:  # no oneDNN inner product for this dtype or shape
-        return False
-    for offset in (1, 5, 13, 31, 100, 7 * ONEDNN_CHUNK_ROWS - 3):
-        window = slice(offset, offset + ONEDNN_CHUNK_ROWS)
-        if not torch.equal(_onednn_linear(rows[window], packed), reference[window]):
-            return False
-    return True
-
-
-def _onednn_chunked(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] -> [M, out] by oneDNN calls of exactly ONEDNN_CHUNK_ROWS rows (zero-padded)."""
-    padded = _pad_rows(rows, ONEDNN_CHUNK_ROWS)
-    chunks = [
-        _onednn_linear(padded[first : first + ONEDNN_CHUNK_ROWS], weight)
-        for first in range(0, padded.shape[0], ONEDNN_CHUNK_ROWS)
-    ]
-    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks))[: rows.shape[0]]  # no copy of one chunk
-
-
-def onednn_linear_if_independent(
-    hidden: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int, torch.dtype, str, int]
-) -> torch.Tensor | None:
-    """hidden [M, in] -> [M, out] through oneDNN where one of its checks holds for `shape` (see
-    _kernel_shape), else None. `weight`: [out, in], dense or packed."""
-    if onednn_rows_are_independent(*shape):
-        num_rows = hidden.shape[0]
-        padded = _pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden
-        return _onednn_linear(padded, weight)[:num_rows]
-    if onednn_chunks_are_independent(*shape):
-        return _onednn_chunked(hidden, weight)
-    return None
-
-
-def _pad_rows(rows: torch.Tensor, multiple: int) -> torch.Tensor:
-    """rows [n, in], contiguous, with zero rows appended up to a multiple of `multiple`."""
-    num_rows, in_features = rows.shape
-    padded_rows = -(-num_rows // multiple) * multiple
-    rows = rows.contiguous()
-    if padded_rows == num_rows:
-        return rows
-    return torch.cat((rows, rows.new_zeros((padded_rows - num_rows, in_features))))
-
-
 def _column_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [n, in] -> [n, out] as `weight @ rows.T`, zero-padded to whole groups of COLUMN_GROUP,
     COLUMNS_PER_CALL columns per call (the last call may hold one group)."""
-    padded = _pad_rows(rows, COLUMN_GROUP)
+    padded = pad_rows(rows, COLUMN_GROUP)
     columns = [
         weight @ padded[first : first + COLUMNS_PER_CALL].t()
         for first in range(0, padded.shape[0], COLUMNS_PER_CALL)
@@ -373,7 +248,7 @@ def _column_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [M, in] -> [M, out] by one matmul over M rounded up to MATMUL_ROW_MULTIPLE rows."""
-    return (_pad_rows(rows, MATMUL_ROW_MULTIPLE) @ weight.t())[: rows.shape[0]]
+    return (pad_rows(rows, MATMUL_ROW_MULTIPLE) @ weight.t())[: rows.shape[0]]
 
 
 @functools.cache
@@ -432,8 +307,8 @@ def invariant_linear(
 ) -> torch.Tensor:
     """hidden [M, in] -> [M, out], each row's bits independent of the other rows.
 
-    Where `onednn_rows_are_independent`: every row in one oneDNN call (`packed`, the weight in
-    oneDNN's layout, or `weight` itself; zero rows pad it to ONEDNN_MIN_ROWS). Else, where both MKL
+    Where a oneDNN check holds (engine/onednn_calls.py): every row in one oneDNN call, or in calls
+    of measured row counts (`packed`, the weight in oneDNN's layout, or `weight` itself). Else, where both MKL
     checks pass: prompt rows in one matmul padded to a multiple of 4 rows, decode rows
     8 (or a last 4) to a `weight @ rows.T` call (4 columns are faster than a gemv for one row
     here, and a 4-row matmul costs about 2.5x a gemv). Where only `rows_are_independent`

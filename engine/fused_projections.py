@@ -24,7 +24,7 @@ import logging
 import torch
 from torch import nn
 
-import engine.batch_invariant as batch_invariant
+import engine.onednn_calls as onednn_calls
 from engine.packed_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,12 @@ def fusion_is_exact(
 def takes_chunks(
     in_features: int, out_features: tuple[int, ...], dtype: torch.dtype, num_threads: int
 ) -> bool:
-    """Does any of the separate layers take oneDNN's fixed-row chunks (its any-M check fails)? Then
-    the fused layer takes them too, whatever its own shape's checks say: on the AMX host the
-    bfloat16 576 -> 960 shape passes the any-M check where 576 -> 576 and 576 -> 192 do not, and
-    the two paths give a row other bits past 32 rows."""
+    """Does any of the separate layers take oneDNN's chunked calls (its any-M check fails)? Then
+    the fused layer takes them too, whatever its own shape's checks say: the two paths give a row
+    other bits past 32 rows on the AMX host in bfloat16 (where 300 rows were too few for the
+    any-M check to see it, 576 -> 960 passed it while 576 -> 576 and 576 -> 192 did not)."""
     return not all(
-        batch_invariant.onednn_rows_are_independent(in_features, out, dtype, "cpu", num_threads)
+        onednn_calls.onednn_rows_are_independent(in_features, out, dtype, "cpu", num_threads)
         for out in out_features
     )
 
@@ -130,8 +130,8 @@ def fuse_packed_projections(model: nn.Module) -> int:
                     "cpu",
                     num_threads,
                 )
-                if not batch_invariant.onednn_rows_are_independent(*kernel_shape):
-                    batch_invariant.onednn_chunks_are_independent(*kernel_shape)
+                if not onednn_calls.onednn_rows_are_independent(*kernel_shape):
+                    onednn_calls.onednn_call_sizes(*kernel_shape)
     logger.info("fused projections at %d threads: %d sets", num_threads, num_fused)
     return num_fused
 

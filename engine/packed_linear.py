@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import engine.batch_invariant as batch_invariant
+import engine.onednn_calls as onednn_calls
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ class PackedLinear(nn.Module):
     ) -> None:
         """packed_weight: [out, in] from pack_onednn_weight; shared: the dense weight when another
         module owns it too (a tied embedding), else None; chunked: rows go in oneDNN calls of
-        ONEDNN_CHUNK_ROWS wherever that check holds, even where the any-M one does too (a fused
-        layer whose parts take the chunks: engine/fused_projections.py)."""
+        onednn_call_sizes' row counts wherever that check holds, even where the any-M one does too
+        (a fused layer whose parts take them: engine/fused_projections.py)."""
         super().__init__()
         self.chunked = chunked
         self.out_features, self.in_features = packed_weight.shape
@@ -59,9 +60,7 @@ class PackedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, shared: bool, chunked: bool = False) -> PackedLinear:
         weight = linear.weight.detach()
-        return cls(
-            batch_invariant.pack_onednn_weight(weight), linear.bias, weight if shared else None, chunked
-        )
+        return cls(onednn_calls.pack_onednn_weight(weight), linear.bias, weight if shared else None, chunked)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -69,7 +68,7 @@ class PackedLinear(nn.Module):
         if self._shared is not None:
             return self._shared
         identity = torch.eye(self.in_features, dtype=self.packed_weight.dtype)  # [in, in]
-        return batch_invariant._onednn_linear(identity, self.packed_weight).t().contiguous()
+        return onednn_calls.onednn_inner_product(identity, self.packed_weight).t().contiguous()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2:
@@ -77,10 +76,11 @@ class PackedLinear(nn.Module):
         shape = (
             self.in_features, self.out_features, self.packed_weight.dtype, hidden.device.type, torch.get_num_threads()
         )  # fmt: skip
-        if self.chunked and batch_invariant.onednn_chunks_are_independent(*shape):
-            output: torch.Tensor | None = batch_invariant._onednn_chunked(hidden, self.packed_weight)
+        sizes = onednn_calls.onednn_call_sizes(*shape) if self.chunked else ()
+        if sizes:
+            output: torch.Tensor | None = onednn_calls.onednn_chunked(hidden, self.packed_weight, sizes)
         else:
-            output = batch_invariant.onednn_linear_if_independent(hidden, self.packed_weight, shape)
+            output = onednn_calls.onednn_linear_if_independent(hidden, self.packed_weight, shape)
         if output is not None:
             return output if self.bias is None else output + self.bias
         return batch_invariant.invariant_linear(hidden, self.weight, self.bias)
@@ -111,9 +111,7 @@ def warm_up_linear_layers(model: nn.Module) -> int:
                 shape = (weight.shape[1], weight.shape[0], weight.dtype, weight.device.type, num_threads)
             else:
                 continue
-            if batch_invariant.onednn_rows_are_independent(
-                *shape
-            ) or batch_invariant.onednn_chunks_are_independent(*shape):
+            if onednn_calls.onednn_rows_are_independent(*shape) or onednn_calls.onednn_call_sizes(*shape):
                 if isinstance(child, batch_invariant.RowChunkedLinear):
                     child = PackedLinear.from_linear(child, shared=id(child.weight) in embedding_weights)
                     setattr(parent, name, child)

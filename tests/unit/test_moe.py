@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import batch_invariant
+from engine import batch_invariant, onednn_calls
 from engine.models.moe import SparseMoeBlock, invariant_silu
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 32, 24, 8, 3
@@ -27,7 +27,7 @@ def linear_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """invariant_linear's four ways of keeping rows apart (as in test_batch_invariance.py): the
     later ones are forced by reporting the earlier kernels' checks as failed."""
     if request.param != "onednn":
-        monkeypatch.setattr(batch_invariant, "onednn_rows_are_independent", lambda *args: False)
+        monkeypatch.setattr(onednn_calls, "onednn_rows_are_independent", lambda *args: False)
     if request.param not in ("onednn", "columns"):
         monkeypatch.setattr(batch_invariant, "columns_are_independent", lambda *args: False)
     if request.param == "grouped":

@@ -9,14 +9,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant
+from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant, onednn_calls
 from engine.batch_invariant import RowChunkedLinear, invariant_linear
 from engine.models.loader import load_model
 from engine.packed_linear import PackedLinear, bytes_held, dense_weight_bytes, warm_up_linear_layers
 
-CHECKS: tuple[Callable[..., bool], ...] = (
-    batch_invariant.onednn_rows_are_independent,
-    batch_invariant.onednn_chunks_are_independent,
+CHECKS: tuple[Callable[..., object], ...] = (
+    onednn_calls.onednn_rows_are_independent,
+    onednn_calls.onednn_call_sizes,
     batch_invariant.rows_are_independent,
     batch_invariant.columns_are_independent,
 )
@@ -42,8 +42,8 @@ def test_first_request_after_load_runs_no_check_and_packs_nothing(
     assert any(isinstance(layer, PackedLinear) for layer in layers) == (dtype != "float64")
     assert all(not isinstance(layer, RowChunkedLinear) for layer in layers) == (dtype != "float64")
     packs: list[int] = []
-    pack = batch_invariant.pack_onednn_weight
-    monkeypatch.setattr(batch_invariant, "pack_onednn_weight", lambda weight: packs.append(1) or pack(weight))
+    pack = onednn_calls.pack_onednn_weight
+    monkeypatch.setattr(onednn_calls, "pack_onednn_weight", lambda weight: packs.append(1) or pack(weight))
     output = engine.generate(
         list(range(5, 45)), SamplingParams(beam_width=4, max_new_tokens=4, ignore_eos=True)
     )
