@@ -23,7 +23,7 @@ from engine.models.config import ATTENTION_LAYER, CONV_LAYER, ModelConfig
 from engine.models.decoder import LlamaModel
 from engine.models.gguf_checkpoint import GGUFCheckpoint
 from engine.models.lfm2 import Lfm2Model
-from engine.models.q8_embedding import untie_as_q8
+from engine.models.q8_embedding import Q8Rows, untie_as_q8
 from engine.models.source import ModelFormat, resolve_model_source
 from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 TINY_SEED = 1234
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 Model = LlamaModel | Lfm2Model
+EMBEDDING = "embed_tokens.weight"  # the state-dict name of every family's token embedding
 
 
 def make_model(config: ModelConfig) -> Model:
@@ -87,11 +88,13 @@ def load_model(
     device: str | torch.device = "cpu",
     compact_tied_embedding: bool = False,
 ) -> tuple[Model, ModelConfig, Tokenizer]:
-    """compact_tied_embedding: a GGUF model whose head is tied to its embedding keeps the
-    embedding in the file's Q8_0 form where that gives the same bits (engine/models/q8_embedding.py),
-    for a caller that packs the head (its dense copy is then the head's alone, and dropped)."""
+    """compact_tied_embedding: a model whose head is tied to its embedding keeps the embedding in
+    Q8_0 form where that gives the same bits (engine/models/q8_embedding.py: a GGUF file's Q8_0
+    blocks, or a float32 checkpoint's values that are exactly such blocks), for a caller that packs
+    the head (its dense copy is then the head's alone, and dropped)."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model_source(name_or_dir)
+    q8_rows: dict[str, Q8Rows | None] = {}  # the embedding's Q8_0 rows, where a checkpoint holds them
     started = time.monotonic()
     if source.is_tiny:
         config = tiny_model_config() if source.format is ModelFormat.TINY else tiny_hybrid_model_config()
@@ -107,11 +110,14 @@ def load_model(
     else:
         assert source.path is not None
         config = ModelConfig.from_file(source.path / "config.json")
-        model = build_model_from_checkpoint(config, source.path, torch_dtype)
+        compact = compact_tied_embedding and config.tie_word_embeddings
+        model = build_model_from_checkpoint(config, source.path, torch_dtype, q8_rows if compact else None)
         tokenizer = load_tokenizer(source.path, config.bos_token_id, config.eos_token_id)
     model = model.to(dtype=torch_dtype, device=device).eval()
-    if compact_tied_embedding and source.format is ModelFormat.GGUF and config.tie_word_embeddings:
-        untie_as_q8(model, checkpoint.embedding_q8_rows())
+    if compact_tied_embedding and config.tie_word_embeddings:
+        if source.format is ModelFormat.GGUF:
+            q8_rows[EMBEDDING] = checkpoint.embedding_q8_rows()
+        untie_as_q8(model, q8_rows.get(EMBEDDING))
     if not source.is_tiny:
         num_parameters = sum(parameter.numel() for parameter in model.parameters())
         logger.info(
@@ -169,11 +175,15 @@ def build_tiny_model(config: ModelConfig) -> Model:
 
 
 def build_model_from_checkpoint(
-    config: ModelConfig, model_dir: Path, dtype: torch.dtype | None = None
+    config: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype | None = None,
+    q8_rows: dict[str, Q8Rows | None] | None = None,
 ) -> Model:
-    """dtype: the floating tensors' dtype once read (None: the checkpoint's own)."""
+    """dtype: the floating tensors' dtype once read (None: the checkpoint's own); q8_rows: see
+    _read_checkpoint."""
     origins: dict[str, str] = {}
-    state = _read_checkpoint(model_dir, origins, dtype)
+    state = _read_checkpoint(model_dir, origins, dtype, q8_rows)
     return _build_model(config, state, f"checkpoint in {model_dir}", origins)
 
 
@@ -204,12 +214,16 @@ def _build_model(
 
 
 def _read_checkpoint(
-    model_dir: Path, origins: dict[str, str], dtype: torch.dtype | None = None
+    model_dir: Path,
+    origins: dict[str, str],
+    dtype: torch.dtype | None = None,
+    q8_rows: dict[str, Q8Rows | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's files, each a copy this process owns (in `dtype` where
     given and floating): safetensors maps the file, and a tensor left on the mapping keeps the
     whole file resident beside the packed weights that replace it (measured: SmolLM2-135M in
-    float32 held its 513 MiB file next to 550 MiB of packed weights)."""
+    float32 held its 513 MiB file next to 550 MiB of packed weights). q8_rows: where given, gets
+    the embedding's Q8_0 rows found in its stored values, before any cast (Q8Rows.from_dense)."""
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
         with open(index_file, encoding="utf-8") as file:
@@ -230,6 +244,8 @@ def _read_checkpoint(
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older exports saved the rotary table; it is rebuilt from the config
+            if q8_rows is not None and name.removeprefix("model.") == EMBEDDING:
+                q8_rows[EMBEDDING] = Q8Rows.from_dense(tensor)
             if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             else:

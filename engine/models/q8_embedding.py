@@ -10,7 +10,8 @@ float32(scale) * float32(code), a product float32 holds exactly (11 + 8 signific
 that form the rows cost 34 bytes per 32 values (28 MiB for SmolLM2) and give the same bits as the
 de-quantized matrix in any dtype: the same product, then the same cast. `untie_as_q8` checks that
 on every row at load and leaves the model as it was otherwise; the head then owns the dense
-matrix alone and packing drops it.
+matrix alone and packing drops it. A checkpoint directory de-quantized from such a file holds the
+same values in float32: `Q8Rows.from_dense` finds the blocks again where every one rebuilds exactly.
 
 Dimensions: V vocabulary, E hidden, B = E / 32 blocks a row, N token ids.
 """
@@ -46,6 +47,36 @@ class Q8Rows:
         grouped = blocks.reshape(rows, width // Q8_BLOCK_BYTES, Q8_BLOCK_BYTES)  # [V, B, 34]
         scales = grouped[:, :, :2].contiguous().view(torch.float16).reshape(rows, -1)  # [V, B]
         codes = grouped[:, :, 2:].contiguous().view(torch.int8).reshape(rows, -1)  # [V, E]
+        return cls(codes, scales)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> Q8Rows | None:
+        """The Q8_0 form of a float32 [V, E] matrix whose every block of 32 is exactly a float16
+        scale times int8 codes (a checkpoint de-quantized from a GGUF file is), else None.
+
+        Q8_0 sets scale = amax / 127 and the largest code to +-127, so the de-quantized block's
+        largest magnitude is scale * 127 exactly and amax / 127 gives the scale back; the codes
+        then follow by division. Any block that does not rebuild to the same bits (a checkpoint
+        trained or stored in float32, a -0.0) gives None: nothing is assumed, all is checked."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % Q8_BLOCK:
+            return None
+        rows = weight.shape[0]
+        codes = torch.empty(weight.shape, dtype=torch.int8)  # [V, E]
+        scales = torch.empty(rows, weight.shape[1] // Q8_BLOCK, dtype=torch.float16)  # [V, B]
+        for first in range(0, rows, 4096):  # bounded scratch: 4096 rows at a time
+            part = weight[first : first + 4096].detach().cpu()
+            blocks = part.unflatten(-1, (-1, Q8_BLOCK))  # [n, B, 32]
+            scale = blocks.abs().amax(dim=-1) / 127  # [n, B]
+            half = scale.to(torch.float16)
+            if not torch.equal(half.to(torch.float32), scale):
+                return None
+            divisor = torch.where(scale > 0, scale, 1.0)[..., None]
+            code = (blocks / divisor).round().clamp(-127, 127).to(torch.int8)  # [n, B, 32]
+            rebuilt = (code.to(torch.float32) * half.to(torch.float32)[..., None]).flatten(-2)
+            if not torch.equal(rebuilt.view(torch.int32), part.view(torch.int32)):  # bits, not values
+                return None
+            codes[first : first + 4096] = code.flatten(-2)
+            scales[first : first + 4096] = half
         return cls(codes, scales)
 
 

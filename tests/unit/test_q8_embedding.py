@@ -4,6 +4,7 @@ gguf de-quantizes, in every dtype, and the model is left alone where they differ
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,3 +87,49 @@ def test_an_untied_model_or_no_rows_is_left_alone() -> None:
     assert isinstance(model.embed_tokens, torch.nn.Embedding) and isinstance(
         tied.embed_tokens, torch.nn.Embedding
     )
+
+
+def test_from_dense_finds_the_blocks_of_a_dequantized_matrix() -> None:
+    rows, dense = q8_matrix(300, 96, seed=2)
+    found = Q8Rows.from_dense(dense)
+    assert found is not None
+    assert torch.equal(found.codes, rows.codes)
+    assert torch.equal(found.scales.view(torch.int16), rows.scales.view(torch.int16))
+
+
+def test_from_dense_refuses_what_is_not_exactly_q8() -> None:
+    _, dense = q8_matrix(64, 64, seed=3)
+    assert Q8Rows.from_dense(torch.randn(64, 64)) is None  # float32 values, not int8 blocks
+    nudged = dense.clone()
+    nudged[10, 7] = torch.nextafter(nudged[10, 7], torch.tensor(float("inf")))  # one ulp
+    assert Q8Rows.from_dense(nudged) is None
+    signed_zero = dense.clone()
+    signed_zero[3, :32] = 0.0
+    signed_zero[3, 5] = -0.0  # rebuilds as +0.0: equal values, other bits
+    assert Q8Rows.from_dense(signed_zero) is None
+    assert Q8Rows.from_dense(dense.to(torch.bfloat16)) is None  # only a float32 checkpoint's values
+    assert Q8Rows.from_dense(dense[:, :40]) is None  # not whole blocks
+
+
+def test_a_float32_checkpoint_directory_with_q8_exact_rows_is_untied(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.loader import load_model
+    from tests.helpers.checkpoints import write_random_llama_checkpoint
+
+    directory = write_random_llama_checkpoint(tmp_path / "tied", tie_word_embeddings=True, hidden_size=64)
+    (file,) = directory.glob("*.safetensors")
+    tensors = load_file(str(file))
+    _, dense = q8_matrix(*tensors["model.embed_tokens.weight"].shape, seed=4)
+    tensors["model.embed_tokens.weight"] = dense
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    plain, _, _ = load_model(directory, "bfloat16")
+    compact, _, _ = load_model(directory, "bfloat16", compact_tied_embedding=True)
+    assert isinstance(plain.embed_tokens, torch.nn.Embedding)
+    assert isinstance(compact.embed_tokens, Q8Embedding)
+    ids = torch.arange(dense.shape[0])
+    assert torch.equal(compact.embed_tokens(ids), plain.embed_tokens(ids))
+    assert torch.equal(compact.lm_head.weight, plain.lm_head.weight)
+    random_rows = write_random_llama_checkpoint(tmp_path / "random", tie_word_embeddings=True, hidden_size=64)
+    kept, _, _ = load_model(random_rows, "float32", compact_tied_embedding=True)
+    assert isinstance(kept.embed_tokens, torch.nn.Embedding)  # its float32 rows are no Q8_0 blocks
