@@ -18,7 +18,12 @@ scores, one for P @ V; every element-wise step over all rows at once. Before, a 
 beam-4 request ran about 400 (a matmul per kv head and bucket, and a gather, scatter and copy
 per bucket): 24 ms of the 135M model's 91 ms float32 decode step, about half that now
 (docs/benchmarks.md). An item's matmul reads its keys with a row stride of D instead of Hkv D:
-measured to give the same bits (tests/unit/test_invariant_decode.py).
+measured to give the same bits (tests/unit/test_invariant_decode.py). Since issue 29's fourth
+session (branch perf4) a layer runs fewer: the numerator and the denominator go through one tree
+over items as D + 1 columns side by side (the tree's adds are element-wise: each column keeps its
+bits), the unit maximum is one scatter_reduce, and every layer gathers its keys and values into
+one buffer of the step's plan instead of a fresh 22 MB for 16 beam-4 requests
+(tests/unit/test_decode_step_ops.py holds each against the earlier form).
 
 Dimensions: U decode tokens (units), I items of the slice's longest unit, V visible (unit, item)
 pairs, P pages per item, T tokens per page, K = P T keys per item, Hkv kv heads, G = H / Hkv,
