@@ -137,6 +137,9 @@ class AttentionSlice:
                 num_kv_heads * b.first_pair for b in self.buckets
             ]
             assert int(plan.hidden.sum()) == num_kv_heads * group * int(self.hidden_keys_for(window).sum())
+            # The step's gather buffers: one row per K/V row of the plan, one buffer per dtype
+            assert all(buffer.shape[0] == plan.kv_rows.shape[0] for buffer in plan.buffers.values())
+            assert all(dtype == buffer.dtype for dtype, buffer in plan.buffers.items())
 
     def plan_for(
         self, num_kv_heads: int, group: int, sliding_window: int | None, kv_layer: torch.Tensor
