@@ -52,6 +52,9 @@ class AttentionMetadata:
     # KV groups (engine/kv_groups.py): this is group 0's; by_group[g - 1] is group g's (same tokens
     # and positions, its own block tables).
     by_group: tuple[AttentionMetadata, ...] = ()
+    # slot_mapping split into (block, offset), [N] each: write_kv reads them in every layer.
+    slot_blocks: torch.Tensor | None = None
+    slot_offsets: torch.Tensor | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV group `group` (a layer's: GroupedKVPool.group_of_layer)."""
@@ -156,6 +159,8 @@ def prepare_attention(
     return AttentionMetadata(
         tokens_per_block=tokens_per_block,
         slot_mapping=as_tensor(slots),
+        slot_blocks=as_tensor([slot // tokens_per_block for slot in slots]),
+        slot_offsets=as_tensor([slot % tokens_per_block for slot in slots]),
         positions=positions_tensor,
         block_tables=as_tensor(block_table_rows),
         context_lens=as_tensor(context_lens),
@@ -176,8 +181,10 @@ def write_kv(
 
     kv_layer [num_blocks, 2, T, Hkv, D] (a view of the pool), key and value [N, Hkv, D].
     """
-    block_ids = metadata.slot_mapping // metadata.tokens_per_block  # [N]
-    offsets = metadata.slot_mapping % metadata.tokens_per_block  # [N]
+    block_ids, offsets = metadata.slot_blocks, metadata.slot_offsets  # [N] each, once a pass
+    if block_ids is None or offsets is None:
+        block_ids = metadata.slot_mapping // metadata.tokens_per_block
+        offsets = metadata.slot_mapping % metadata.tokens_per_block
     # Indexing a view in place writes through to the pool's storage.
     kv_layer[:, KEY][block_ids, offsets] = key
     kv_layer[:, VALUE][block_ids, offsets] = value

@@ -18,7 +18,12 @@ scores, one for P @ V; every element-wise step over all rows at once. Before, a 
 beam-4 request ran about 400 (a matmul per kv head and bucket, and a gather, scatter and copy
 per bucket): 24 ms of the 135M model's 91 ms float32 decode step, about half that now
 (docs/benchmarks.md). An item's matmul reads its keys with a row stride of D instead of Hkv D:
-measured to give the same bits (tests/unit/test_invariant_decode.py).
+measured to give the same bits (tests/unit/test_invariant_decode.py). Since issue 29's fourth
+session (branch perf4) a layer runs fewer: the numerator and the denominator go through one tree
+over items as D + 1 columns side by side (the tree's adds are element-wise: each column keeps its
+bits), the unit maximum is one scatter_reduce, and every layer gathers its keys and values into
+one buffer of the step's plan instead of a fresh 22 MB for 16 beam-4 requests
+(tests/unit/test_decode_step_ops.py holds each against the earlier form).
 
 Dimensions: U decode tokens (units), I items of the slice's longest unit, V visible (unit, item)
 pairs, P pages per item, T tokens per page, K = P T keys per item, Hkv kv heads, G = H / Hkv,
@@ -63,6 +68,23 @@ class DecodePlan:
     row_unit: torch.Tensor  # [S] the row's (kv head, unit, g)
     # Per bucket: (first query row, first score row, first key row)
     offsets: tuple[tuple[int, int, int], ...]
+    # The gathered keys and values, by dtype: one buffer the step's layers take in turn (a layer's
+    # attention is done with it before the next layer gathers)
+    buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def gather_kv(self, kv_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """kv_rows (kv_rows_view of a layer) -> this plan's key and value rows [2 Hkv sum(n) K, D] in
+        `dtype`, written into the step's buffer (no allocation per layer: 22 MB a layer for 16
+        beam-4 requests). The buffer is overwritten by the next layer's gather."""
+        shape = (self.kv_rows.shape[0], kv_rows.shape[1])
+        if kv_rows.dtype not in self.buffers:
+            self.buffers[kv_rows.dtype] = kv_rows.new_empty(shape)
+        gathered = torch.index_select(kv_rows, 0, self.kv_rows, out=self.buffers[kv_rows.dtype])
+        if dtype == kv_rows.dtype:
+            return gathered
+        if dtype not in self.buffers:
+            self.buffers[dtype] = gathered.new_empty(shape, dtype=dtype)
+        return self.buffers[dtype].copy_(gathered)
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,9 @@ class AttentionSlice:
                 num_kv_heads * b.first_pair for b in self.buckets
             ]
             assert int(plan.hidden.sum()) == num_kv_heads * group * int(self.hidden_keys_for(window).sum())
+            # The step's gather buffers: one row per K/V row of the plan, one buffer per dtype
+            assert all(buffer.shape[0] == plan.kv_rows.shape[0] for buffer in plan.buffers.values())
+            assert all(dtype == buffer.dtype for dtype, buffer in plan.buffers.items())
 
     def plan_for(
         self, num_kv_heads: int, group: int, sliding_window: int | None, kv_layer: torch.Tensor
@@ -291,7 +316,7 @@ def decode_attention(
     dtype = padded_query.dtype
     # [S / G, G D]: each pair's query rows, head-major within its bucket
     rows = padded_query.view(-1, group * head_dim).index_select(0, plan.query_rows).mul_(scale)
-    key_value = kv_rows_view(kv_layer).index_select(0, plan.kv_rows).to(dtype)  # [2 Hkv sum(n) K, D]
+    key_value = plan.gather_kv(kv_rows_view(kv_layer), dtype)  # [2 Hkv sum(n) K, D]
     num_key_rows = key_value.shape[0] // 2
     scores = rows.new_empty((num_rows, keys_per_item))  # [S, K]
     partial = rows.new_empty((num_rows, head_dim))  # [S, D]
@@ -314,21 +339,19 @@ def decode_attention(
             bucket_query.view(num_batch, num_bucket_rows, head_dim), keys.transpose(1, 2), out=bucket_scores
         )
     scores.masked_fill_(plan.hidden, float("-inf"))
-    # The row maximum over a token's pairs: exact in any order.
+    # The row maximum over a token's pairs (kv head, unit, g): exact in any order.
     leaf_shape = (num_kv_heads, num_units, plan.num_leaves, group)
-    item_max = scores.new_full((math.prod(leaf_shape),), float("-inf"))
-    item_max[plan.row_leaf] = scores.amax(dim=-1)
-    unit_max = item_max.view(leaf_shape).amax(dim=2)  # [Hkv, U, G]
-    weights = scores.sub_(unit_max.view(-1)[plan.row_unit, None]).exp_()  # hidden keys exactly 0
+    unit_max = scores.new_full((num_kv_heads * num_units * group,), float("-inf"))
+    unit_max.scatter_reduce_(0, plan.row_unit, scores.amax(dim=-1), "amax")
+    weights = scores.sub_(unit_max.index_select(0, plan.row_unit)[:, None]).exp_()  # hidden keys exactly 0
     for bucket, offsets in zip(part.buckets, plan.offsets, strict=True):
         bucket_weights, values = bucket_views(bucket, offsets, weights, 1)
         bucket_partial, _ = bucket_views(bucket, offsets, partial, 1)
         torch.bmm(bucket_weights, values, out=bucket_partial)
-    leaves = partial.new_zeros((math.prod(leaf_shape), head_dim))
-    leaves[plan.row_leaf] = partial
-    numerator = tree_sum(leaves.view(*leaf_shape, head_dim), dim=2)
-    weight_leaves = weights.new_zeros((math.prod(leaf_shape),))
-    weight_leaves[plan.row_leaf] = tree_sum(weights, dim=-1)
-    denominator = tree_sum(weight_leaves.view(leaf_shape), dim=2)
-    unit_output = numerator / denominator[..., None]  # [Hkv, U, G, D]
+    # Numerator and denominator side by side [S, D + 1]: one tree over items sums both (the tree's
+    # adds are element-wise, so each column gets the bits of a tree of its own).
+    leaves = partial.new_zeros((math.prod(leaf_shape), head_dim + 1))
+    leaves[plan.row_leaf] = torch.cat((partial, tree_sum(weights, dim=-1)[:, None]), dim=1)
+    sums = tree_sum(leaves.view(*leaf_shape, head_dim + 1), dim=2)  # [Hkv, U, G, D + 1]
+    unit_output = sums[..., :head_dim] / sums[..., head_dim:]  # [Hkv, U, G, D]
     output[part.token_index[:, 0]] = unit_output.transpose(0, 1).reshape(num_units, num_heads, head_dim)

@@ -120,6 +120,35 @@ def apply_rotary(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return tensor * cos[:, None, :] + rotate_half(tensor) * sin[:, None, :]
 
 
+def rotary_table(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, D] -> cos and the signed sin [N, 1, D] that apply_rotary_table reads: sin with
+    its first half negated, so rotate_half's negation moves onto the table, computed once a pass
+    instead of once per layer and tensor ((-x) s and x (-s) are the same bits)."""
+    half = sin.shape[-1] // 2
+    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+
+
+def apply_rotary_table(tensor: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary's bits in four ops: tensor [N, heads, D], rotary_table's cos and signed_sin
+    [N, 1, D]. roll by D/2 is rotate_half without its negation: (x2, x1)."""
+    return tensor * cos + tensor.roll(tensor.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def adjacent_columns(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """first [N, A], second [N, B] -> the view [N, A + B] of both where second's columns follow
+    first's in the same storage (the split of one fused projection's output), else None."""
+    if (
+        first.dim() != 2
+        or first.stride() != second.stride()
+        or first.stride(-1) != 1
+        or first.shape[0] != second.shape[0]
+        or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+        or second.storage_offset() != first.storage_offset() + first.shape[1]
+    ):
+        return None
+    return first.as_strided((first.shape[0], first.shape[1] + second.shape[1]), first.stride())
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, kind: AttentionKind) -> None:
         super().__init__()
@@ -148,6 +177,7 @@ class Attention(nn.Module):
             self.k_norm = make_norm(config, config.head_dim)
         # Plain references (a tuple is not registered), so no module is listed twice.
         self.head_norms = (self.q_norm, self.k_norm) if traits.qk_norm else (identity, identity)
+        self.has_head_norms = traits.qk_norm
 
     def _project_apart(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
@@ -163,14 +193,23 @@ class Attention(nn.Module):
         kv_layer: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """hidden [N, E] -> [N, E]; writes the new tokens' K/V into kv_layer [blocks, 2, T, Hkv, D]."""
+        """hidden [N, E] -> [N, E]; writes the new tokens' K/V into kv_layer [blocks, 2, T, Hkv, D].
+        cos and sin: rotary_table's [N, 1, D] (sin signed)."""
         num_tokens = hidden.shape[0]
         query, key, value = self.project(hidden)
-        q_norm, k_norm = self.head_norms
-        query = q_norm(query.view(num_tokens, self.num_heads, self.head_dim))  # [N, H, D]
-        key = k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        query_key = None if self.has_head_norms else adjacent_columns(query, key)
+        if query_key is not None:
+            # One fused projection's q and k side by side: rotated in one pass (element-wise, the
+            # same bits as apart), then split again.
+            num_heads = self.num_heads + self.num_kv_heads
+            rotated = apply_rotary_table(query_key.view(num_tokens, num_heads, self.head_dim), cos, sin)
+            query, key = rotated.split((self.num_heads, self.num_kv_heads), dim=1)  # [N, H | Hkv, D]
+        else:
+            q_norm, k_norm = self.head_norms
+            query = q_norm(query.view(num_tokens, self.num_heads, self.head_dim))  # [N, H, D]
+            key = k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
+            query, key = apply_rotary_table(query, cos, sin), apply_rotary_table(key, cos, sin)
         write_kv(kv_layer, key, value, metadata)
         output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)  # [N, H, D]
         return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -319,7 +358,8 @@ class LlamaModel(nn.Module):
         if kv_pool.dtype != self.dtype:
             raise ValueError(f"kv_pool dtype {kv_pool.dtype} differs from the model's {self.dtype}")
         hidden = self.embed(input_ids)  # [N, E]
-        tables = [rotary(positions, hidden.dtype) for rotary in self.rotaries]  # each cos, sin [N, D]
+        # Each cos and signed sin [N, 1, D], once a pass for all layers
+        tables = [rotary_table(*rotary(positions, hidden.dtype)) for rotary in self.rotaries]
         for layer_index, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rotary[layer_index]]
             # Each KV group has its own block tables (engine/kv_groups.py).
