@@ -110,27 +110,18 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
-    half = tensor.shape[-1] // 2
-    return torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
-
-
-def apply_rotary(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """tensor [N, heads, D], cos and sin [N, D]."""
-    return tensor * cos[:, None, :] + rotate_half(tensor) * sin[:, None, :]
-
-
 def rotary_table(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, D] -> cos and the signed sin [N, 1, D] that apply_rotary_table reads: sin with
-    its first half negated, so rotate_half's negation moves onto the table, computed once a pass
-    instead of once per layer and tensor ((-x) s and x (-s) are the same bits)."""
+    its first half negated, so transformers' rotate_half negation moves onto the table, computed
+    once a pass instead of once per layer and tensor ((-x) s and x (-s) are the same bits)."""
     half = sin.shape[-1] // 2
     return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
 
 
 def apply_rotary_table(tensor: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary's bits in four ops: tensor [N, heads, D], rotary_table's cos and signed_sin
-    [N, 1, D]. roll by D/2 is rotate_half without its negation: (x2, x1)."""
+    """transformers' `x cos + rotate_half(x) sin` bits in four ops (tests/unit/test_decode_step_ops.py):
+    tensor [N, heads, D], rotary_table's cos and signed_sin [N, 1, D]. roll by D/2 is rotate_half
+    without its negation: (x2, x1)."""
     return tensor * cos + tensor.roll(tensor.shape[-1] // 2, dims=-1) * signed_sin
 
 

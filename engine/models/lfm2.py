@@ -21,7 +21,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import GroupedKVPool, KVPool
 from engine.models.config import ATTENTION_LAYER, ModelConfig
-from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary_table, rotary_table
 from engine.models.q8_embedding import embedding_dtype
 from engine.models.short_conv import RecurrentMetadata, short_conv
 from engine.state_pool import StatePool
@@ -55,7 +55,7 @@ class Lfm2Attention(nn.Module):
         query = self.q_layernorm(self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim))
         key = self.k_layernorm(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim))
         value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        query, key = apply_rotary_table(query, cos, sin), apply_rotary_table(key, cos, sin)
         write_kv(kv_layer, key, value, metadata)
         output = paged_attention(query, kv_layer, metadata, self.scale)  # [N, H, D]
         return self.out_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -174,7 +174,7 @@ class Lfm2Model(nn.Module):
         if state_pool is None or recurrent is None:
             raise ValueError("a hybrid model needs a state pool and recurrent metadata")
         hidden = self.embed_tokens(input_ids)  # [N, E]
-        cos, sin = self.rotary(positions, hidden.dtype)  # [N, D]
+        cos, sin = rotary_table(*self.rotary(positions, hidden.dtype))  # [N, 1, D] each, sin signed
         attention_index, conv_index = 0, 0
         for layer_type, layer in zip(self.config.layer_types, self.layers, strict=True):
             if layer_type == ATTENTION_LAYER:

@@ -16,15 +16,16 @@ import torch
 
 from engine.attention import prepare_attention, write_kv
 from engine.invariant_decode import kv_rows_view, tree_sum
-from engine.models.decoder import (
-    RotaryEmbedding,
-    adjacent_columns,
-    apply_rotary,
-    apply_rotary_table,
-    rotary_table,
-)
+from engine.models.decoder import RotaryEmbedding, adjacent_columns, apply_rotary_table, rotary_table
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+def apply_rotary(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The reference: transformers' form, tensor [N, heads, D], cos and sin [N, D]."""
+    half = tensor.shape[-1] // 2
+    rotated_half = torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
+    return tensor * cos[:, None, :] + rotated_half * sin[:, None, :]
 
 
 def equal_bits(first: torch.Tensor, second: torch.Tensor) -> bool:
