@@ -73,7 +73,7 @@ class Q8Rows:
             divisor = torch.where(scale > 0, scale, 1.0)[..., None]
             code = (blocks / divisor).round().clamp(-127, 127).to(torch.int8)  # [n, B, 32]
             rebuilt = (code.to(torch.float32) * half.to(torch.float32)[..., None]).flatten(-2)
-            if not torch.equal(rebuilt.view(torch.int32), part.view(torch.int32)):  # bits, not values
+            if not same_bits(rebuilt, part):
                 return None
             codes[first : first + 4096] = code.flatten(-2)
             scales[first : first + 4096] = half
@@ -121,6 +121,14 @@ class Q8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, Q8_0 rows"
 
 
+def same_bits(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Equal bit patterns, not just values (torch.equal calls -0.0 and 0.0 equal)."""
+    if first.dtype != second.dtype or first.shape != second.shape:
+        return False
+    as_integers = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[first.element_size()]
+    return torch.equal(first.contiguous().view(as_integers), second.contiguous().view(as_integers))
+
+
 def untie_as_q8(model: nn.Module, rows: Q8Rows | None) -> bool:
     """Where `model.lm_head` shares `model.embed_tokens`' weight and `rows` de-quantize to exactly
     that weight, replaces the embedding by a Q8Embedding (the head keeps the dense weight, alone);
@@ -134,7 +142,7 @@ def untie_as_q8(model: nn.Module, rows: Q8Rows | None) -> bool:
     dense = embedding.weight.detach()
     for first in range(0, dense.shape[0], 4096):  # bounded scratch: 4096 rows at a time
         ids = torch.arange(first, min(first + 4096, dense.shape[0]), device=dense.device)
-        if not torch.equal(compact(ids), dense[first : first + 4096]):
+        if not same_bits(compact(ids), dense[first : first + 4096]):
             logger.info("embedding kept dense: its Q8_0 rows do not give the same bits")
             return False
     model.embed_tokens = compact

@@ -78,6 +78,16 @@ def test_rows_one_bit_off_leave_the_model_tied() -> None:
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
+def test_rows_equal_in_value_but_not_in_bits_leave_the_model_tied() -> None:
+    model, rows = tied_model_with_q8_embedding()
+    with torch.no_grad():
+        model.embed_tokens.weight[4, :] = -0.0  # the codes rebuild +0.0 there: equal values
+    zeroed = rows.codes.clone()
+    zeroed[4] = 0
+    assert not untie_as_q8(model, Q8Rows(zeroed, rows.scales))
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
 def test_an_untied_model_or_no_rows_is_left_alone() -> None:
     model = build_tiny_model(tiny_model_config())  # head not tied
     rows, _ = q8_matrix(model.config.vocab_size, model.config.hidden_size)
