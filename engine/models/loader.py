@@ -107,6 +107,8 @@ def load_model(
         config, tokenizer = checkpoint.config, checkpoint.tokenizer()
         state = checkpoint.state_dict(torch_dtype, lambda message: logger.info("%s", message))
         model = _build_model(config, state, str(source.path))
+        if compact_tied_embedding and config.tie_word_embeddings:
+            q8_rows[EMBEDDING] = checkpoint.embedding_q8_rows()
     else:
         assert source.path is not None
         config = ModelConfig.from_file(source.path / "config.json")
@@ -115,8 +117,6 @@ def load_model(
         tokenizer = load_tokenizer(source.path, config.bos_token_id, config.eos_token_id)
     model = model.to(dtype=torch_dtype, device=device).eval()
     if compact_tied_embedding and config.tie_word_embeddings:
-        if source.format is ModelFormat.GGUF:
-            q8_rows[EMBEDDING] = checkpoint.embedding_q8_rows()
         untie_as_q8(model, q8_rows.get(EMBEDDING))
     if not source.is_tiny:
         num_parameters = sum(parameter.numel() for parameter in model.parameters())
