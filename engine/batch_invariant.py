@@ -36,7 +36,6 @@ measures it with the attention's. See docs/engine.md, "Batch invariance".
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.kernel_facts import kernel_check
 from engine.onednn_calls import onednn_linear_if_independent, pad_rows
 
 MATMUL_ROW_MULTIPLE = 4  # one plain matmul: rows padded to a multiple of 4 (see rows_are_independent)
@@ -167,7 +167,7 @@ def _default_groups(num_rows: int, device: torch.device) -> RowGroups:
     return RowGroups(num_rows, chunks, matmul_rows=None, all_matmul=True, single_rows=None)
 
 
-@functools.cache
+@kernel_check
 def rows_are_independent(
     in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
 ) -> bool:
@@ -202,7 +202,7 @@ def rows_are_independent(
     return True
 
 
-@functools.cache
+@kernel_check
 def columns_are_independent(
     in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
 ) -> bool:
@@ -251,7 +251,7 @@ def _padded_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (pad_rows(rows, MATMUL_ROW_MULTIPLE) @ weight.t())[: rows.shape[0]]
 
 
-@functools.cache
+@kernel_check
 def items_are_independent(
     rows_per_item: int,
     in_features: int,

@@ -18,14 +18,16 @@ them, with the split the decoder already has for those families (engine/models/d
 
 from __future__ import annotations
 
-import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 import engine.onednn_calls as onednn_calls
-from engine.packed_linear import PackedLinear
+from engine.kernel_facts import is_known, kernel_check
+from engine.packed_linear import PackedLinear, linear_shape, takes_onednn_path
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ FUSIONS = (
 )
 
 
-@functools.cache
+@kernel_check
 def fusion_is_exact(
     in_features: int, out_features: tuple[int, ...], dtype: torch.dtype, device_type: str, num_threads: int
 ) -> bool:
@@ -94,7 +96,7 @@ def fuse_packed_projections(model: nn.Module) -> int:
             fused = getattr(module, fused_name, None)
             parts = [getattr(module, name, None) for name in names]
             if isinstance(fused, PackedLinear) and getattr(module, method) == getattr(module, fused_method):
-                widths = _widths(module, fused)
+                widths = _widths(module, fused.out_features)
                 if widths is None:  # fused in the checkpoint (Phi-3): not ours to split
                     continue
                 shape = (fused.in_features, widths, fused.packed_weight.dtype, "cpu", num_threads)
@@ -130,15 +132,41 @@ def fuse_packed_projections(model: nn.Module) -> int:
                     "cpu",
                     num_threads,
                 )
-                if not onednn_calls.onednn_rows_are_independent(*kernel_shape):
-                    onednn_calls.onednn_call_sizes(*kernel_shape)
+                takes_onednn_path(*kernel_shape)
     logger.info("fused projections at %d threads: %d sets", num_threads, num_fused)
     return num_fused
 
 
-def _widths(module: nn.Module, fused: PackedLinear) -> tuple[int, ...] | None:
+def fusion_checks(model: nn.Module, num_threads: int) -> list[tuple[Callable[..., bool], tuple[Any, ...]]]:
+    """The checks fuse_packed_projections will ask for the model's q/k/v and gate/up sets (before
+    packing or after) and this process has not measured yet, each shape once: fusion_is_exact,
+    then the fused layer's own kernel checks."""
+    checks: dict[tuple[Callable[..., bool], tuple[Any, ...]], None] = {}
+    for module in model.modules():
+        for fused_name, names, method, fused_method, _ in FUSIONS:
+            if not hasattr(module, fused_method):
+                continue
+            fused_shape = linear_shape(getattr(module, fused_name, nn.Identity()), num_threads)
+            part_shapes = [linear_shape(getattr(module, name, nn.Identity()), num_threads) for name in names]
+            widths: tuple[int, ...] | None = None
+            if fused_shape is not None and getattr(module, method) == getattr(module, fused_method):
+                in_features, out_features, dtype, *_ = fused_shape
+                widths = _widths(module, out_features)
+            elif all(shape is not None for shape in part_shapes):
+                shapes = [shape for shape in part_shapes if shape is not None]
+                in_features, _, dtype, *_ = shapes[0]
+                widths = tuple(shape[1] for shape in shapes)
+            if widths is None:
+                continue
+            if not is_known(fusion_is_exact, in_features, widths, dtype, "cpu", num_threads):
+                checks[(fusion_is_exact, (in_features, widths, dtype, "cpu", num_threads))] = None
+                checks[(takes_onednn_path, (in_features, sum(widths), dtype, "cpu", num_threads))] = None
+    return list(checks)
+
+
+def _widths(module: nn.Module, out_features: int) -> tuple[int, ...] | None:
     widths = getattr(module, "fused_widths", None)
-    return widths if isinstance(widths, tuple) and sum(widths) == fused.out_features else None
+    return widths if isinstance(widths, tuple) and sum(widths) == out_features else None
 
 
 def _fuse(layers: list[PackedLinear], chunked: bool) -> PackedLinear:

@@ -28,7 +28,7 @@ import torch
 from engine.batch_invariant import make_batch_invariant
 from engine.config import EngineConfig, SamplingParams
 from engine.context_side import ContextSide
-from engine.fused_projections import fuse_packed_projections
+from engine.fused_projections import fuse_packed_projections, fusion_checks
 from engine.generation_side import GenerationSide
 from engine.heap import trim_heap
 from engine.kv_cache import CopyOp
@@ -38,7 +38,7 @@ from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.loader import load_model
-from engine.packed_linear import warm_up_linear_layers
+from engine.packed_linear import checks_in_child, linear_checks, warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder
 from engine.request_checks import check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
@@ -107,8 +107,12 @@ class LLMEngine(ContextSide, GenerationSide):
         another thread count calls it again from that thread before reporting ready."""
         started = time.monotonic()
         if self.config.batch_invariant:
-            warm_up_linear_layers(self.runner.model)
-            fuse_packed_projections(self.runner.model)
+            model, num_threads = self.runner.model, torch.get_num_threads()
+            # The checks in a child process first: their primitives and banks leave with it
+            # (engine/kernel_facts.py); the warm-up then finds every answer known.
+            checks_in_child(model, linear_checks(model, num_threads) + fusion_checks(model, num_threads))
+            warm_up_linear_layers(model)
+            fuse_packed_projections(model)
         # The de-quantized source tensors, the dense weights packing replaced and the checks'
         # random matrices are freed by now; hand their pages back (engine/heap.py).
         trim_heap()

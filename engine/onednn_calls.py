@@ -27,9 +27,9 @@ Dimensions: M rows, in and out features.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from engine.kernel_facts import kernel_check
 
 ONEDNN_MIN_ROWS = 4  # fewer rows are zero-padded: one row takes a matrix-vector kernel (other bits),
 # and 2 rows took 24-28 ms where 4 took 15-21 (the 156M model's linear layers)
@@ -79,7 +79,7 @@ def _in_calls_of(rows: torch.Tensor, weight: torch.Tensor, size: int) -> torch.T
     )
 
 
-@functools.cache
+@kernel_check
 def onednn_rows_are_independent(
     in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
 ) -> bool:
@@ -113,7 +113,7 @@ def onednn_rows_are_independent(
     return True
 
 
-@functools.cache
+@kernel_check
 def onednn_call_sizes(
     in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
 ) -> tuple[int, ...]:

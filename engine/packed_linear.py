@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 
 import engine.batch_invariant as batch_invariant
 import engine.onednn_calls as onednn_calls
+from engine.kernel_facts import CHILD_MIN_ELEMENTS, is_known, measure_in_child
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,56 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+KernelShape = tuple[int, int, torch.dtype, str, int]  # in and out features, dtype, device type, threads
+
+
+def linear_shape(module: nn.Module, num_threads: int) -> KernelShape | None:
+    """The kernel shape a linear layer of the batch-invariant model asks its checks for."""
+    if isinstance(module, PackedLinear):
+        return (module.in_features, module.out_features, module.packed_weight.dtype, "cpu", num_threads)
+    if isinstance(module, batch_invariant.RowChunkedLinear):
+        weight = module.weight
+        return (weight.shape[1], weight.shape[0], weight.dtype, weight.device.type, num_threads)
+    return None
+
+
+def takes_onednn_path(
+    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
+) -> bool:
+    """Runs the checks a linear layer of this shape asks, in invariant_linear's order; True where it
+    takes oneDNN's path (and gets packed)."""
+    shape = (in_features, out_features, dtype, device_type, num_threads)
+    if onednn_calls.onednn_rows_are_independent(*shape) or onednn_calls.onednn_call_sizes(*shape):
+        return True
+    # The MKL paths' checks, as invariant_linear asks them (all False on a GPU, at no cost).
+    if batch_invariant.rows_are_independent(*shape):
+        batch_invariant.columns_are_independent(*shape)
+    return False
+
+
+def linear_checks(model: nn.Module, num_threads: int) -> list[tuple[Callable[..., bool], KernelShape]]:
+    """The checks warm_up_linear_layers will ask for the model's linear layers and this process
+    has not measured yet, each shape once (as calls of takes_onednn_path)."""
+    shapes = {shape: None for module in model.modules() if (shape := linear_shape(module, num_threads))}
+    return [
+        (takes_onednn_path, shape)
+        for shape in shapes
+        if not is_known(onednn_calls.onednn_rows_are_independent, *shape)
+    ]
+
+
+def checks_in_child(model: nn.Module, calls: Sequence[tuple[Callable[..., bool], tuple[Any, ...]]]) -> bool:
+    """Runs `calls` (linear_checks', fusion_checks') in a child process (engine/kernel_facts.py)
+    where the model's largest linear layer makes the checks' memory worth a child's start-up (a few
+    MiB of oneDNN primitives and freed banks per shape); True where the child measured them."""
+    largest = max(
+        (shape[0] * shape[1] for module in model.modules() if (shape := linear_shape(module, 1))), default=0
+    )
+    if not calls or largest < CHILD_MIN_ELEMENTS or any(args[3] != "cpu" for _, args in calls):
+        return False
+    return measure_in_child(calls, torch.get_num_threads())
+
+
 def warm_up_linear_layers(model: nn.Module) -> int:
     """Runs every kernel check the model's linear layers will ask for at this thread count, and
     packs (replaces by PackedLinear) those that take oneDNN's path; returns how many layers are
@@ -104,21 +155,13 @@ def warm_up_linear_layers(model: nn.Module) -> int:
     num_packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PackedLinear):
-                shape = (child.in_features, child.out_features, child.packed_weight.dtype, "cpu", num_threads)
-            elif isinstance(child, batch_invariant.RowChunkedLinear):
-                weight = child.weight
-                shape = (weight.shape[1], weight.shape[0], weight.dtype, weight.device.type, num_threads)
-            else:
+            shape = linear_shape(child, num_threads)
+            if shape is None or not takes_onednn_path(*shape):
                 continue
-            if onednn_calls.onednn_rows_are_independent(*shape) or onednn_calls.onednn_call_sizes(*shape):
-                if isinstance(child, batch_invariant.RowChunkedLinear):
-                    child = PackedLinear.from_linear(child, shared=id(child.weight) in embedding_weights)
-                    setattr(parent, name, child)
-                num_packed += 1
-            # The MKL paths' checks, as invariant_linear asks them (all False on a GPU, at no cost).
-            elif batch_invariant.rows_are_independent(*shape):
-                batch_invariant.columns_are_independent(*shape)
+            if isinstance(child, batch_invariant.RowChunkedLinear):
+                child = PackedLinear.from_linear(child, shared=id(child.weight) in embedding_weights)
+                setattr(parent, name, child)
+            num_packed += 1
     logger.info(
         "kernel checks at %d threads, weights packed: %d linear layers on oneDNN's path, in %.1f s",
         num_threads, num_packed, time.monotonic() - started,

@@ -1,0 +1,108 @@
+"""Kernel checks measured in a child process (engine/kernel_facts.py): the parent adopts the child's
+answers, which are the ones it would have measured itself, and its warm-up then measures nothing;
+a child that fails or overruns leaves the parent to measure (nothing adopted)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import engine.packed_linear as packed_linear
+from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant, fused_projections, onednn_calls
+from engine.kernel_facts import KernelCheck, is_known, measure_in_child
+from engine.packed_linear import takes_onednn_path
+
+CHECKS: tuple[KernelCheck[..., object], ...] = (
+    onednn_calls.onednn_rows_are_independent,
+    onednn_calls.onednn_call_sizes,
+    batch_invariant.rows_are_independent,
+    batch_invariant.columns_are_independent,
+    batch_invariant.items_are_independent,
+    fused_projections.fusion_is_exact,
+)
+
+
+def measured_here() -> int:
+    return sum(check.cache_info().misses for check in CHECKS)
+
+
+@pytest.fixture(autouse=True)
+def clear_checks() -> Iterator[None]:
+    for check in CHECKS:
+        check.cache_clear()
+    yield
+    for check in CHECKS:
+        check.cache_clear()
+
+
+SHAPES = [(48, 80, torch.float32), (48, 80, torch.bfloat16), (80, 48, torch.float64)]
+
+
+def test_child_answers_are_the_ones_measured_here() -> None:
+    threads = torch.get_num_threads()
+    calls = [(takes_onednn_path, (inp, out, dtype, "cpu", threads)) for inp, out, dtype in SHAPES]
+    assert measure_in_child(calls, threads)
+    assert measured_here() == 0
+    assert all(is_known(onednn_calls.onednn_rows_are_independent, *args) for _, args in calls)
+    adopted = {
+        (check.name, args): check(*args)
+        for check in CHECKS[:4]
+        for _, args in calls
+        if is_known(check, *args)
+    }
+    # float64 has no oneDNN inner product: its shape went on to the MKL checks, in the child too.
+    assert is_known(batch_invariant.rows_are_independent, *calls[2][1])
+    assert measured_here() == 0
+    for check in CHECKS:
+        check.cache_clear()
+    for _, args in calls:
+        takes_onednn_path(*args)
+    assert measured_here() > 0
+    assert {
+        (check.name, args): check(*args)
+        for check in CHECKS[:4]
+        for _, args in calls
+        if is_known(check, *args)
+    } == adopted
+
+
+def test_failed_or_overrunning_child_adopts_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    threads = torch.get_num_threads()
+    good = (takes_onednn_path, (48, 80, torch.float32, "cpu", threads))
+    bad = (onednn_calls.onednn_call_sizes, (48, 80, "not a dtype", "cpu", threads))  # raises in the child
+    assert not measure_in_child([good, bad], threads)
+    assert "exited 1" in caplog.text and "not a dtype" in caplog.text
+    assert not is_known(onednn_calls.onednn_rows_are_independent, *good[1])
+    assert not measure_in_child([good], threads, timeout_s=0.05)
+    assert not is_known(onednn_calls.onednn_rows_are_independent, *good[1])
+    with pytest.raises(ValueError, match="engine's"):
+        measure_in_child([(torch.randn, (2,))], threads)
+
+
+def test_engine_with_checks_in_a_child_computes_what_one_without_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tiny model is below the size that earns a child; with the bound lowered it gets one: its
+    warm-up and a request then measure nothing here, and every beam equals the in-process engine's."""
+    params = SamplingParams(beam_width=3, max_new_tokens=5, ignore_eos=True)
+    prompt = list(range(7, 47))
+    in_process = LLMEngine(EngineConfig(model="tiny", dtype="float32"))
+    assert measured_here() > 0
+    expected = in_process.generate(prompt, params)
+    for check in CHECKS:
+        check.cache_clear()
+    monkeypatch.setattr(packed_linear, "CHILD_MIN_ELEMENTS", 0)
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32"))
+    output = engine.generate(prompt, params)
+    assert measured_here() == 0
+    engine.check_integrity()
+    assert [(beam.token_ids, beam.cumulative_logprob) for beam in output.beams] == [
+        (beam.token_ids, beam.cumulative_logprob) for beam in expected.beams
+    ]
+    # Known now: a second warm-up at this thread count starts no child.
+    model = engine.runner.model
+    threads = torch.get_num_threads()
+    assert packed_linear.linear_checks(model, threads) == []
+    assert fused_projections.fusion_checks(model, threads) == []
