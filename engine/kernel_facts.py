@@ -29,12 +29,14 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import pickle
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
@@ -118,6 +120,7 @@ def measure_in_child(
     try:
         child = subprocess.run(
             [sys.executable, "-m", "engine.kernel_facts"],
+            env=_child_environment(),
             input=request,
             capture_output=True,
             timeout=timeout_s,
@@ -142,6 +145,14 @@ def measure_in_child(
         num_threads, len(facts), time.monotonic() - started,
     )  # fmt: skip
     return True
+
+
+def _child_environment() -> dict[str, str]:
+    """This process's environment (oneDNN's and MKL's settings with it), with the directory that
+    holds this engine package first on the child's path: it imports the same code."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def _child_main() -> None:
