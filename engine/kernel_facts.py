@@ -98,53 +98,101 @@ def is_known(check: Callable[..., object], *args: Any) -> bool:
     return isinstance(check, KernelCheck) and (check.name, args) in _FACTS
 
 
+class CheckChild:
+    """A child process for kernel checks, started early: its interpreter and imports (~1.5 s, most
+    of it `import torch`) get ready while the parent loads the weights; `measure` asks it once,
+    `close` ends it unasked. It exits by itself when its input closes (the parent gone)."""
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        """modules: the engine modules whose checks the child will run, imported before it waits."""
+        for module in modules:
+            _check_engine_module(module)
+        self.started = time.monotonic()
+        self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-m", "engine.kernel_facts", *modules],
+            env=_child_environment(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+    def measure(
+        self,
+        calls: Sequence[tuple[Callable[..., object], tuple[Any, ...]]],
+        num_threads: int,
+        timeout_s: float = CHILD_TIMEOUT_S,
+    ) -> bool:
+        """Runs `calls` ((a function of the engine package that asks kernel checks, its
+        arguments), in order) in the child at `num_threads` torch threads and adopts every check
+        result measured there; False (and nothing adopted) where the child failed or overran
+        timeout_s, after ending it. A child is asked once."""
+        for function, _ in calls:
+            _check_engine_module(function.__module__)
+        process, self._process = self._process, None
+        if process is None:
+            raise RuntimeError("this kernel-check child was asked already")
+        request = pickle.dumps(
+            (num_threads, [(function.__module__, function.__qualname__, args) for function, args in calls])
+        )
+        try:
+            stdout, stderr = process.communicate(request, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            logger.warning("kernel checks in a child process overran %.0f s; running them here", timeout_s)
+            return False
+        if process.returncode != 0:
+            tail = stderr.decode(errors="replace").strip().splitlines()[-3:]
+            logger.warning(
+                "kernel checks in a child process exited %d (%s); running them here",
+                process.returncode,
+                " | ".join(tail),
+            )
+            return False
+        facts: dict[tuple[str, tuple[Any, ...]], Any] = pickle.loads(stdout)
+        for key, value in facts.items():
+            _FACTS.setdefault(key, value)
+        logger.info(
+            "kernel checks at %d threads: %d results measured in a child process, %.1f s after it started",
+            num_threads, len(facts), time.monotonic() - self.started,
+        )  # fmt: skip
+        return True
+
+    def close(self) -> None:
+        """Ends the child if it was not asked (its input closed, it exits; killed after 10 s)."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            process.communicate(b"", timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+
+
 def measure_in_child(
     calls: Sequence[tuple[Callable[..., object], tuple[Any, ...]]],
     num_threads: int,
     timeout_s: float = CHILD_TIMEOUT_S,
 ) -> bool:
-    """Runs `calls` ((a function of the engine package that asks kernel checks, its arguments), in
-    order) in a child process at `num_threads` torch threads and adopts every check result measured
-    there; False (and nothing adopted) where the child failed or overran timeout_s, after ending it."""
+    """CheckChild.measure in a child started for it (see there)."""
     if not calls:
         return True
-    for function, _ in calls:
-        if not function.__module__.startswith("engine."):
-            raise ValueError(
-                f"{function.__qualname__} is not the engine's: a child runs only the engine's checks"
-            )
-    request = pickle.dumps(
-        (num_threads, [(function.__module__, function.__qualname__, args) for function, args in calls])
-    )
-    started = time.monotonic()
+    modules = sorted({function.__module__ for function, _ in calls})
     try:
-        child = subprocess.run(
-            [sys.executable, "-m", "engine.kernel_facts"],
-            env=_child_environment(),
-            input=request,
-            capture_output=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:  # run() kills the child on a timeout
-        logger.warning("kernel checks in a child process failed (%s); running them here", error)
+        child = CheckChild(modules)
+    except OSError as error:
+        logger.warning("kernel checks in a child process could not start (%s); running them here", error)
         return False
-    if child.returncode != 0:
-        tail = child.stderr.decode(errors="replace").strip().splitlines()[-3:]
-        logger.warning(
-            "kernel checks in a child process exited %d (%s); running them here",
-            child.returncode,
-            " | ".join(tail),
-        )
-        return False
-    facts: dict[tuple[str, tuple[Any, ...]], Any] = pickle.loads(child.stdout)
-    for key, value in facts.items():
-        _FACTS.setdefault(key, value)
-    logger.info(
-        "kernel checks at %d threads: %d results measured in a child process in %.1f s",
-        num_threads, len(facts), time.monotonic() - started,
-    )  # fmt: skip
-    return True
+    try:
+        return child.measure(calls, num_threads, timeout_s)
+    finally:
+        child.close()
+
+
+def _check_engine_module(module: str) -> None:
+    if not module.startswith("engine."):
+        raise ValueError(f"a kernel-check child runs only the engine's checks, not {module}")
 
 
 def _child_environment() -> dict[str, str]:
@@ -155,14 +203,19 @@ def _child_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def _child_main() -> None:
-    """The child: reads (threads, calls) from stdin, runs the calls, writes every check result
-    measured here to stdout."""
-    num_threads, calls = pickle.loads(sys.stdin.buffer.read())
+def _child_main(modules: Sequence[str]) -> None:
+    """The child: imports `modules`, then reads (threads, calls) from stdin (nothing: it exits),
+    runs the calls, writes every check result measured here to stdout."""
+    for module in modules:
+        _check_engine_module(module)
+        importlib.import_module(module)
+    request = sys.stdin.buffer.read()
+    if not request:
+        return
+    num_threads, calls = pickle.loads(request)
     torch.set_num_threads(num_threads)
     for module, qualname, args in calls:
-        if not module.startswith("engine."):
-            raise ValueError(f"a child runs only the engine's checks, not {module}")
+        _check_engine_module(module)
         function: Any = importlib.import_module(module)
         for name in qualname.split("."):
             function = getattr(function, name)
@@ -174,4 +227,4 @@ if __name__ == "__main__":
     # Run as a script this file is __main__; the checks register with engine.kernel_facts.
     from engine.kernel_facts import _child_main as child_main
 
-    child_main()
+    child_main(sys.argv[1:])

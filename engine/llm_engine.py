@@ -20,6 +20,7 @@ Not thread-safe: one thread owns the engine. See docs/engine.md for the request 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import replace
 
@@ -31,14 +32,16 @@ from engine.context_side import ContextSide
 from engine.fused_projections import fuse_packed_projections, fusion_checks
 from engine.generation_side import GenerationSide
 from engine.heap import trim_heap
+from engine.kernel_facts import CHILD_MIN_ELEMENTS, CheckChild
 from engine.kv_cache import CopyOp
 from engine.kv_group_tables import GroupedTable
 from engine.kv_groups import KVGroups
 from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
+from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.packed_linear import checks_in_child, linear_checks, warm_up_linear_layers
+from engine.packed_linear import CHECK_MODULES, checks_in_child, linear_checks, warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder
 from engine.request_checks import check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
@@ -47,70 +50,95 @@ from engine.state_pool import StatePool
 from engine.stop_strings import StopStringMatcher
 from engine.types import EngineCounters, KVRegion, RequestOutput, TokenLogprob
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine(ContextSide, GenerationSide):
     def __init__(self, config: EngineConfig, queue_limits: QueueLimits | None = None) -> None:
         """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
-        # A tied embedding's dense copy goes where packing puts the head (engine/packed_linear.py).
-        compact = config.batch_invariant and torch.device(config.device).type == "cpu"
-        model, self.model_config, self.tokenizer = load_model(
-            config.model, config.dtype, config.device, compact_tied_embedding=compact
-        )
-        if config.batch_invariant:
-            # Every kernel check and weight packing now, before anyone calls this engine ready:
-            # not on the first request (engine/packed_linear.py).
-            make_batch_invariant(model)
-        # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
-        layout = GroupedKVPool.build(
-            self.model_config, config.cache, model.dtype, config.device,
-            StatePool.state_bytes_for(self.model_config, model.dtype),
-        )  # fmt: skip
-        cache_config = layout.cache_config
-        self.config = replace(config, cache=cache_config)  # the pool size found at run time
-        # One page: a KV group's S layers (every layer with one group), and a hybrid's snapshot.
-        self.page_bytes = layout.page_bytes
-        self.cache_config = cache_config
-        self.kv_pool = layout.pool
-        self.kv_cache = KVGroups(cache_config, layout.groups, self.model_config.is_hybrid)
-        self.state_pool: StatePool | None = None
-        if self.model_config.is_hybrid:
-            # One slot per running beam (max_num_seqs of them) plus as many for prompts being
-            # prefilled on the context side.
-            self.state_pool = StatePool(
-                self.model_config,
-                2 * config.max_num_seqs,
-                cache_config.num_blocks,
-                model.dtype,
+        self._check_child: CheckChild | None = None
+        try:
+            # A tied embedding's dense copy goes where packing puts the head (engine/packed_linear.py).
+            compact = config.batch_invariant and torch.device(config.device).type == "cpu"
+            # The kernel checks' child process starts as soon as the model's shapes are known, so its
+            # start-up overlaps the weights' loading (engine/kernel_facts.py).
+            model, self.model_config, self.tokenizer = load_model(
+                config.model,
+                config.dtype,
                 config.device,
+                compact_tied_embedding=compact,
+                on_config=lambda model_config: self._start_check_child(model_config, compact),
             )
-        windows = [group.window for group in layout.groups]
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant, windows)
-        self.scheduler = Scheduler(
-            self.kv_cache,
-            config.max_num_seqs,
-            self.kv_pool.copy_blocks,
-            self.state_pool,
-            config.max_num_batched_tokens,
-            queue_limits,
-        )
-        self._requests: dict[str, Request] = {}
-        self._prefilled: dict[str, GroupedTable] = {}  # context side: pinned prompts
-        self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
-        self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
-        self._request_counter = itertools.count()
-        self.warm_up()
+            if config.batch_invariant:
+                # Every kernel check and weight packing now, before anyone calls this engine ready:
+                # not on the first request (engine/packed_linear.py).
+                make_batch_invariant(model)
+            # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
+            layout = GroupedKVPool.build(
+                self.model_config, config.cache, model.dtype, config.device,
+                StatePool.state_bytes_for(self.model_config, model.dtype),
+            )  # fmt: skip
+            cache_config = layout.cache_config
+            self.config = replace(config, cache=cache_config)  # the pool size found at run time
+            # One page: a KV group's S layers (every layer with one group), and a hybrid's snapshot.
+            self.page_bytes = layout.page_bytes
+            self.cache_config = cache_config
+            self.kv_pool = layout.pool
+            self.kv_cache = KVGroups(cache_config, layout.groups, self.model_config.is_hybrid)
+            self.state_pool: StatePool | None = None
+            if self.model_config.is_hybrid:
+                # One slot per running beam (max_num_seqs of them) plus as many for prompts being
+                # prefilled on the context side.
+                self.state_pool = StatePool(
+                    self.model_config,
+                    2 * config.max_num_seqs,
+                    cache_config.num_blocks,
+                    model.dtype,
+                    config.device,
+                )
+            windows = [group.window for group in layout.groups]
+            self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant, windows)
+            self.scheduler = Scheduler(
+                self.kv_cache,
+                config.max_num_seqs,
+                self.kv_pool.copy_blocks,
+                self.state_pool,
+                config.max_num_batched_tokens,
+                queue_limits,
+            )
+            self._requests: dict[str, Request] = {}
+            self._prefilled: dict[str, GroupedTable] = {}  # context side: pinned prompts
+            self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
+            self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
+            self._request_counter = itertools.count()
+            self.warm_up(self._check_child)
+        finally:
+            if self._check_child is not None:  # not asked: an error before the warm-up
+                self._check_child.close()
+            self._check_child = None
 
-    def warm_up(self) -> float:
+    def _start_check_child(self, model_config: ModelConfig, packs: bool) -> None:
+        """Starts the kernel checks' child where this engine packs its linear layers and the LM
+        head is large enough for the checks' memory to matter (engine/kernel_facts.py)."""
+        if packs and model_config.vocab_size * model_config.hidden_size >= CHILD_MIN_ELEMENTS:
+            try:
+                self._check_child = CheckChild(CHECK_MODULES)
+            except OSError as error:
+                logger.warning("no child process for the kernel checks (%s): they run here", error)
+
+    def warm_up(self, check_child: CheckChild | None = None) -> float:
         """Runs every per-shape kernel check at this thread's torch thread count and packs the
         linear weights (engine/packed_linear.py), so that no request pays for them; returns the
         seconds it took. Called once here; a caller that steps the engine from a thread with
-        another thread count calls it again from that thread before reporting ready."""
+        another thread count calls it again from that thread before reporting ready.
+        check_child: a child started for the checks (asked or closed here)."""
         started = time.monotonic()
         if self.config.batch_invariant:
             model, num_threads = self.runner.model, torch.get_num_threads()
             # The checks in a child process first: their primitives and banks leave with it
             # (engine/kernel_facts.py); the warm-up then finds every answer known.
-            checks_in_child(model, linear_checks(model, num_threads) + fusion_checks(model, num_threads))
+            checks = linear_checks(model, num_threads) + fusion_checks(model, num_threads)
+            checks_in_child(model, checks, check_child)
             warm_up_linear_layers(model)
             fuse_packed_projections(model)
         # The de-quantized source tensors, the dense weights packing replaced and the checks'

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,17 +88,21 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     compact_tied_embedding: bool = False,
+    on_config: Callable[[ModelConfig], None] | None = None,
 ) -> tuple[Model, ModelConfig, Tokenizer]:
     """compact_tied_embedding: a model whose head is tied to its embedding keeps the embedding in
     Q8_0 form where that gives the same bits (engine/models/q8_embedding.py: a GGUF file's Q8_0
     blocks, or a float32 checkpoint's values that are exactly such blocks), for a caller that packs
-    the head (its dense copy is then the head's alone, and dropped)."""
+    the head (its dense copy is then the head's alone, and dropped). on_config: called with the
+    model's config as soon as it is read, before any weight is."""
     torch_dtype = resolve_dtype(dtype)
     source = resolve_model_source(name_or_dir)
     q8_rows: dict[str, Q8Rows | None] = {}  # the embedding's Q8_0 rows, where a checkpoint holds them
     started = time.monotonic()
     if source.is_tiny:
         config = tiny_model_config() if source.format is ModelFormat.TINY else tiny_hybrid_model_config()
+        if on_config is not None:
+            on_config(config)
         model = build_tiny_model(config)
         tokenizer: Tokenizer = ByteTokenizer()
     elif source.format is ModelFormat.GGUF:
@@ -105,6 +110,8 @@ def load_model(
         logger.info("loading %s (GGUF) as %s", source.path, torch_dtype)
         checkpoint = GGUFCheckpoint.open(source.path)
         config, tokenizer = checkpoint.config, checkpoint.tokenizer()
+        if on_config is not None:
+            on_config(config)
         state = checkpoint.state_dict(torch_dtype, lambda message: logger.info("%s", message))
         model = _build_model(config, state, str(source.path))
         if compact_tied_embedding and config.tie_word_embeddings:
@@ -112,6 +119,8 @@ def load_model(
     else:
         assert source.path is not None
         config = ModelConfig.from_file(source.path / "config.json")
+        if on_config is not None:
+            on_config(config)
         compact = compact_tied_embedding and config.tie_word_embeddings
         model = build_model_from_checkpoint(config, source.path, torch_dtype, q8_rows if compact else None)
         tokenizer = load_tokenizer(source.path, config.bos_token_id, config.eos_token_id)

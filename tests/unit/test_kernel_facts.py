@@ -4,14 +4,16 @@ a child that fails or overruns leaves the parent to measure (nothing adopted).""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+import engine.llm_engine as llm_engine
 import engine.packed_linear as packed_linear
 from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant, fused_projections, onednn_calls
-from engine.kernel_facts import KernelCheck, is_known, measure_in_child
+from engine.kernel_facts import CheckChild, KernelCheck, is_known, measure_in_child
 from engine.packed_linear import takes_onednn_path
 
 CHECKS: tuple[KernelCheck[..., object], ...] = (
@@ -81,11 +83,24 @@ def test_failed_or_overrunning_child_adopts_nothing(caplog: pytest.LogCaptureFix
         measure_in_child([(torch.randn, (2,))], threads)
 
 
+def test_child_closed_unasked_ends_and_is_asked_once() -> None:
+    child = CheckChild(packed_linear.CHECK_MODULES)
+    process = child._process
+    assert process is not None
+    child.close()
+    assert process.returncode == 0
+    child.close()  # idempotent
+    with pytest.raises(RuntimeError, match="asked already"):
+        child.measure([], torch.get_num_threads())
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["started-at-config", "started-at-warm-up"])
 def test_engine_with_checks_in_a_child_computes_what_one_without_does(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, early: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The tiny model is below the size that earns a child; with the bound lowered it gets one: its
-    warm-up and a request then measure nothing here, and every beam equals the in-process engine's."""
+    """The tiny model is below the size that earns a child; with the bound lowered it gets one
+    (started when the loader reads the config, or by the warm-up): its warm-up and a request then
+    measure nothing here, and every beam equals the in-process engine's."""
     params = SamplingParams(beam_width=3, max_new_tokens=5, ignore_eos=True)
     prompt = list(range(7, 47))
     in_process = LLMEngine(EngineConfig(model="tiny", dtype="float32"))
@@ -94,7 +109,16 @@ def test_engine_with_checks_in_a_child_computes_what_one_without_does(
     for check in CHECKS:
         check.cache_clear()
     monkeypatch.setattr(packed_linear, "CHILD_MIN_ELEMENTS", 0)
+    if early:
+        monkeypatch.setattr(llm_engine, "CHILD_MIN_ELEMENTS", 0)
+
+        def no_second_child(*args: object) -> bool:
+            raise AssertionError("the warm-up started a child beside the one started at config")
+
+        monkeypatch.setattr(packed_linear, "measure_in_child", no_second_child)
+    caplog.set_level(logging.INFO, logger="engine.kernel_facts")
     engine = LLMEngine(EngineConfig(model="tiny", dtype="float32"))
+    assert "measured in a child process" in caplog.text
     output = engine.generate(prompt, params)
     assert measured_here() == 0
     engine.check_integrity()
