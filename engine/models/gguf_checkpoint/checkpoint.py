@@ -1,7 +1,7 @@
 """A GGUF file: its Hugging Face config dict and ModelConfig, its tokenizer and chat template, its weights.
 
-The `gguf` package (llama.cpp's own Python library) reads the format and de-quantizes the blocks
-to float32; architectures.py and tensors.py map the metadata and tensors back to what the Hugging
+reader.py reads the format (metadata decoded in one pass, tensors memory-mapped), the `gguf`
+package (llama.cpp's own Python library) names the types and de-quantizes the blocks to float32; architectures.py and tensors.py map the metadata and tensors back to what the Hugging
 Face checkpoint held, so a GGUF file and a directory go through the same `ModelConfig.from_dict`.
 Refused with one line naming them: other architectures, `{architecture}.*` metadata keys no table
 reads, tensor types `gguf` cannot de-quantize here, tokenizers other than byte-level BPE and
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, dequantize
+from gguf import GGMLQuantizationType, dequantize
 from tokenizers import Tokenizer as RawTokenizer
 
 from engine.chat_template import ChatTemplate
@@ -27,6 +27,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_checkpoint.architectures import ARCHITECTURES, Architecture
 from engine.models.gguf_checkpoint.bpe_tokenizer import byte_level_bpe
 from engine.models.gguf_checkpoint.metadata import GGUFError, Metadata
+from engine.models.gguf_checkpoint.reader import GGUFFile
 from engine.models.gguf_checkpoint.spm_tokenizer import sentencepiece_bpe
 from engine.models.gguf_checkpoint.tensors import hf_tensors
 from engine.models.q8_embedding import Q8Rows
@@ -52,17 +53,17 @@ ADDS_BOS = {"llama"}
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     path: Path
-    reader: GGUFReader
+    reader: GGUFFile
     hf_config: dict[str, Any]  # what the family's config.json would say
     architecture: Architecture
 
     @classmethod
     def open(cls, path: Path) -> GGUFCheckpoint:
         try:
-            reader = GGUFReader(path)
+            reader = GGUFFile.open(path)
         except Exception as error:  # truncated or not a GGUF file at all
             raise GGUFError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from error
-        meta = Metadata(path, reader)
+        meta = Metadata(path, reader.fields)
         architecture = ARCHITECTURES.get(meta.architecture)
         if architecture is None:
             raise meta.error(
@@ -90,7 +91,7 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: {error}") from error
 
     def tokenizer(self) -> HFTokenizer:
-        meta = Metadata(self.path, self.reader)
+        meta = Metadata(self.path, self.reader.fields)
         kind = meta.get("tokenizer.ggml.model")
         if kind not in TOKENIZER_BUILDERS:
             raise meta.error(
@@ -124,7 +125,7 @@ class GGUFCheckpoint:
         )
         if refused:
             raise GGUFError(f"{self.path}: tensor types {refused} are not supported (quantization)")
-        meta = Metadata(self.path, self.reader)
+        meta = Metadata(self.path, self.reader.fields)
         state: dict[str, torch.Tensor] = {}
         started, num_tensors = time.monotonic(), len(self.reader.tensors)
         for index, tensor in enumerate(self.reader.tensors, start=1):

@@ -1,4 +1,4 @@
-"""A GGUF file's key/value metadata, read through `gguf`, remembering which keys were consulted.
+"""A GGUF file's key/value metadata (reader.py decodes it), remembering which keys were consulted.
 
 The architecture's keys (`{architecture}.*`) a file sets but no table here reads are refused: an
 unread key is a setting the engine would silently ignore (a soft-cap, an extra rope factor).
@@ -9,27 +9,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, GGUFValueType, ReaderField
-
 
 class GGUFError(ValueError):
     """A GGUF file this engine cannot run; the message is one line naming the file and the reason."""
 
 
 class Metadata:
-    def __init__(self, path: Path, reader: GGUFReader) -> None:
+    def __init__(self, path: Path, fields: dict[str, Any]) -> None:
         self.path = path
-        self._reader = reader
+        self._fields = fields
         self._read: set[str] = set()
         self.architecture: str = self.get("general.architecture", "")
 
     def get(self, name: str, default: Any = None) -> Any:
         self._read.add(name)
-        field: ReaderField | None = self._reader.fields.get(name)
-        return default if field is None else field_value(field)
+        return self._fields.get(name, default)
 
     def has(self, name: str) -> bool:
-        return name in self._reader.fields
+        return name in self._fields
 
     def arch(self, name: str, default: Any = None) -> Any:
         """`{architecture}.{name}`; raises naming the key when it is missing and has no default."""
@@ -40,20 +37,7 @@ class Metadata:
 
     def unread_architecture_keys(self) -> list[str]:
         prefix = f"{self.architecture}."
-        return sorted(
-            name for name in self._reader.fields if name.startswith(prefix) and name not in self._read
-        )
+        return sorted(name for name in self._fields if name.startswith(prefix) and name not in self._read)
 
     def error(self, reason: str) -> GGUFError:
         return GGUFError(f"{self.path}: {reason}")
-
-
-def field_value(field: ReaderField) -> Any:
-    """A scalar, a string, or a list of either, as Python values."""
-    if field.types[0] is GGUFValueType.ARRAY:
-        if field.types[-1] is GGUFValueType.STRING:
-            return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
-        return [field.parts[index].tolist()[0] for index in field.data]
-    if field.types[0] is GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]].tolist()[0]
