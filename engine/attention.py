@@ -35,6 +35,9 @@ SequenceSpec = tuple[Sequence[int], int, int]
 class AttentionMetadata:
     tokens_per_block: int
     slot_mapping: torch.Tensor  # [N] block_id * T + offset where each new token's K/V goes
+    # slot_mapping split into (block, offset), [N] each, once a pass: write_kv reads them in every layer.
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
     positions: torch.Tensor  # [N] position of each new token in its sequence
     block_tables: torch.Tensor  # [B, M] block ids, padded with 0 (padding is masked out)
     context_lens: torch.Tensor  # [B] cached + new tokens
@@ -52,9 +55,6 @@ class AttentionMetadata:
     # KV groups (engine/kv_groups.py): this is group 0's; by_group[g - 1] is group g's (same tokens
     # and positions, its own block tables).
     by_group: tuple[AttentionMetadata, ...] = ()
-    # slot_mapping split into (block, offset), [N] each: write_kv reads them in every layer.
-    slot_blocks: torch.Tensor | None = None
-    slot_offsets: torch.Tensor | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV group `group` (a layer's: GroupedKVPool.group_of_layer)."""
@@ -181,10 +181,7 @@ def write_kv(
 
     kv_layer [num_blocks, 2, T, Hkv, D] (a view of the pool), key and value [N, Hkv, D].
     """
-    block_ids, offsets = metadata.slot_blocks, metadata.slot_offsets  # [N] each, once a pass
-    if block_ids is None or offsets is None:
-        block_ids = metadata.slot_mapping // metadata.tokens_per_block
-        offsets = metadata.slot_mapping % metadata.tokens_per_block
+    block_ids, offsets = metadata.slot_blocks, metadata.slot_offsets  # [N] each
     # Indexing a view in place writes through to the pool's storage.
     kv_layer[:, KEY][block_ids, offsets] = key
     kv_layer[:, VALUE][block_ids, offsets] = value

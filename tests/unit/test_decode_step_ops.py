@@ -17,6 +17,7 @@ import torch
 from engine.attention import prepare_attention, write_kv
 from engine.invariant_decode import kv_rows_view, tree_sum
 from engine.models.decoder import RotaryEmbedding, adjacent_columns, apply_rotary_table, rotary_table
+from engine.models.q8_embedding import same_bits
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
@@ -26,14 +27,6 @@ def apply_rotary(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     half = tensor.shape[-1] // 2
     rotated_half = torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
     return tensor * cos[:, None, :] + rotated_half * sin[:, None, :]
-
-
-def equal_bits(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return first.dtype == second.dtype and bool(
-        torch.equal(
-            first.contiguous().view(-1).view(torch.uint8), second.contiguous().view(-1).view(torch.uint8)
-        )
-    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,9 +46,9 @@ def test_rotary_table_gives_apply_rotarys_bits_for_q_and_k_together(dtype: torch
         together.view(num_tokens, num_heads + num_kv_heads, head_dim), table_cos, signed_sin
     )
     new_query, new_key = rotated.split((num_heads, num_kv_heads), dim=1)
-    assert equal_bits(new_query, expected_query) and equal_bits(new_key, expected_key)
+    assert same_bits(new_query, expected_query) and same_bits(new_key, expected_key)
     apart = apply_rotary_table(query.reshape(num_tokens, num_heads, head_dim), table_cos, signed_sin)
-    assert equal_bits(apart, expected_query)
+    assert same_bits(apart, expected_query)
 
 
 def test_adjacent_columns_only_for_columns_that_follow_in_one_storage() -> None:
@@ -100,9 +93,9 @@ def test_one_tree_over_numerator_and_denominator_side_by_side(dtype: torch.dtype
     sums = tree_sum(both.view(*leaf_shape, head_dim + 1), dim=2)
     unit_max = scores.new_full((math.prod(leaf_shape) // num_leaves,), float("-inf"))
     unit_max.scatter_reduce_(0, row_unit, scores.amax(dim=-1), "amax")
-    assert equal_bits(sums[..., :head_dim], numerator) and equal_bits(sums[..., head_dim], denominator)
-    assert equal_bits(sums[..., :head_dim] / sums[..., head_dim:], numerator / denominator[..., None])
-    assert equal_bits(unit_max, expected_max)
+    assert same_bits(sums[..., :head_dim], numerator) and same_bits(sums[..., head_dim], denominator)
+    assert same_bits(sums[..., :head_dim] / sums[..., head_dim:], numerator / denominator[..., None])
+    assert same_bits(unit_max, expected_max)
 
 
 def test_write_kv_with_the_passs_block_offsets_writes_the_slots() -> None:
@@ -111,7 +104,6 @@ def test_write_kv_with_the_passs_block_offsets_writes_the_slots() -> None:
     tokens_per_block, num_kv_heads, head_dim = 4, 2, 8
     pool = torch.zeros(6, 2, tokens_per_block, num_kv_heads, head_dim)
     metadata = prepare_attention([([3, 1], 2, 3), ([5], 0, 1)], tokens_per_block, "cpu")
-    assert metadata.slot_blocks is not None and metadata.slot_offsets is not None
     assert metadata.slot_blocks.tolist() == [3, 3, 1, 5] and metadata.slot_offsets.tolist() == [2, 3, 0, 0]
     key = torch.randn(4, num_kv_heads, head_dim)
     value = torch.randn(4, num_kv_heads, head_dim)
