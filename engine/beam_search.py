@@ -226,7 +226,6 @@ class BeamSearch:
 def step_beam_searches(searches: Sequence[BeamSearch], logprobs: torch.Tensor) -> list[BeamStep]:
     """One step of R requests of one beam width W: logprobs [R W, V] float32, their running rows
     in order (request by request). The same steps as R calls of `BeamSearch.step`, bit for bit:
-
     the accumulated scores are the same element-wise adds, and one `topk` over R rows gives each
     row what a call on that row alone gives, ties and their order included. torch's CPU `topk`
     (aten/src/ATen/native/TopKImpl.h, `topk_impl_loop`) selects each row on its own: it fills a
