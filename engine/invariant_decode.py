@@ -1,6 +1,6 @@
 """Decode tokens of the batch-invariant attention: fixed items of pages, summed by a pairwise tree.
 
-A decode token alone (G rows per kv head) reads items of PAGES_PER_ITEM pages (K = 128 keys at
+A decode token alone (G rows per kv head) reads items of PAGES_PER_ITEM pages (K = 64 keys at
 T = 32): scores [R G, D] x [D, K] and P @ V [R G, K] x [K, D] are fixed-shape items of a batched
 matmul whose strides are constants, R the beams of one request that read the same item at the
 same position (a function of the request's own beams, never of the batch). Items are summed by
@@ -38,7 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-PAGES_PER_ITEM = 4  # keys of one decode token's attention item: 4 pages (128 keys at T = 32)
+# Keys of one decode token's attention item: 2 pages (64 keys at T = 32). Measured against 1 and 4
+# (docs/benchmarks.md, issue 29 perf5): 4-page items mix a request's shared prompt pages with each
+# beam's own, so each beam gathered and multiplied them apart; 1-page items gather least but
+# double the pairs, the partial outputs and the tree over items.
+PAGES_PER_ITEM = 2
 
 
 @dataclass(frozen=True)

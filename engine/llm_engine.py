@@ -42,7 +42,7 @@ from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.packed_linear import CHECK_MODULES, checks_in_child, linear_checks, warm_up_linear_layers
-from engine.request import Request, RequestState, Reservation, make_decoder
+from engine.request import Request, RequestState, Reservation, make_decoder, step_decoders
 from engine.request_checks import check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
 from engine.scheduler import QueueLimits, Scheduler
@@ -210,10 +210,14 @@ class LLMEngine(ContextSide, GenerationSide):
             self._start_decoding(request, logprobs[row], model_logprobs[row])
             started.append(request)
         row = len(batch.prefills)
-        for request in batch.decodes:
-            num_beams = len(request.tables)
+        num_rows = [len(request.tables) for request in batch.decodes]
+        steps = step_decoders(
+            [request.active_decoder for request in batch.decodes],
+            num_rows,
+            logprobs[row : row + sum(num_rows)],
+        )
+        for request, num_beams, step in zip(batch.decodes, num_rows, steps, strict=True):
             rows = logprobs[row : row + num_beams]  # [W, V]
-            step = request.active_decoder.step(rows)
             if request.logprob_trie is not None:  # beam search draws its 2W from each row's best 2W
                 request.logprob_trie.follow(rows, model_logprobs[row : row + num_beams], 2 * num_beams, step)
             request.record_step(step)

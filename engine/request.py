@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.beam_search import BeamSearch, BeamSearchParams, BeamStep
+import torch
+
+from engine.beam_search import BeamSearch, BeamSearchParams, BeamStep, step_beam_searches
 from engine.config import SamplingParams
 from engine.kv_group_tables import BlockCounts, GroupedTable, num_group_blocks_held
 from engine.logprobs import LogprobTrie
@@ -55,6 +58,41 @@ def make_decoder(
             stop_matcher,
         )
     return SingleSequence(params, eos_token_id, seed, stop_matcher)
+
+
+def step_decoders(
+    decoders: Sequence[Decoder], num_rows: Sequence[int], logprobs: torch.Tensor
+) -> list[BeamStep]:
+    """One step of each decoder, in order: logprobs [sum(num_rows), V] float32, decoder i's
+    num_rows[i] running rows in turn. Consecutive beam searches of one width W, each running W
+    rows, step together: one `topk` for all, the same steps as one call each
+    (engine/beam_search.py, `step_beam_searches`)."""
+    if len(num_rows) != len(decoders) or sum(num_rows) != logprobs.shape[0]:
+        raise ValueError(f"num_rows {list(num_rows)} do not split logprobs of {logprobs.shape[0]} rows")
+    steps: list[BeamStep] = []
+    row, index = 0, 0
+    while index < len(decoders):
+        searches: list[BeamSearch] = []
+        width = _full_width(decoders[index], num_rows[index])
+        while index < len(decoders) and width and _full_width(decoders[index], num_rows[index]) == width:
+            decoder = decoders[index]
+            assert isinstance(decoder, BeamSearch)
+            searches.append(decoder)
+            index += 1
+        if searches:
+            steps.extend(step_beam_searches(searches, logprobs[row : row + len(searches) * width]))
+            row += len(searches) * width
+            continue
+        steps.append(decoders[index].step(logprobs[row : row + num_rows[index]]))
+        row, index = row + num_rows[index], index + 1
+    return steps
+
+
+def _full_width(decoder: Decoder, num_rows: int) -> int:
+    """The beam width of a beam search that runs all its beams, else 0."""
+    if isinstance(decoder, BeamSearch) and decoder.params.beam_width == num_rows:
+        return num_rows
+    return 0
 
 
 @dataclass

@@ -275,22 +275,22 @@ def test_prompt_units_are_aligned_to_positions() -> None:
 
 
 def test_decode_attention_computes_only_the_items_a_token_can_see() -> None:
-    """A decode token (items of 128 keys) at position 9 next to one at 599: 1 + 5 pairs, not 2 x 5.
+    """A decode token (items of 64 keys) at position 9 next to one at 599: 1 + 10 pairs, not 2 x 10.
     The bits equal computing every item (the tests above compare such rows alone and next to
     longer neighbours)."""
-    assert PAGES_PER_ITEM == 4
+    assert PAGES_PER_ITEM == 2
     decode = prepare_invariant_layout([([1], 9, 1), (list(range(2, 21)), 599, 1)], [True, True], 32, "cpu")
     (part,) = decode.slices
-    assert part.num_items == 5 and part.pair_unit.tolist() == [0, 1, 1, 1, 1, 1]
-    assert part.pair_pages[0].tolist() == [1, 0, 0, 0] and part.pair_pages[-1].tolist() == [18, 19, 20, 0]
-    assert part.hidden_keys[0, 0].tolist() == [k > 9 for k in range(128)]
-    assert part.hidden_keys[-1, 0].tolist() == [k > 599 - 512 for k in range(128)]
+    assert part.num_items == 10 and part.pair_unit.tolist() == [0] + [1] * 10
+    assert part.pair_pages[0].tolist() == [1, 0] and part.pair_pages[-1].tolist() == [20, 0]
+    assert part.hidden_keys[0, 0].tolist() == [k > 9 for k in range(64)]
+    assert part.hidden_keys[-1, 0].tolist() == [k > 599 - 576 for k in range(64)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_beams_of_one_request_read_shared_pages_once_whatever_the_batch(dtype: torch.dtype) -> None:
-    """Request A's 3 beams at position 300 share their first 9 pages (items 0 and 1, and page 8 of
-    item 2) and each has its own last page; request B's 2 beams hold the very same pages (a
+    """Request A's 3 beams at position 300 share their first 9 pages (items 0 to 3, and page 8 of
+    item 4) and each has its own last page; request B's 2 beams hold the very same pages (a
     reused prefix). A's shared items are read once for its 3 beams (buckets of R = 3, and R = 1
     for the items its beams do not share), never merged with B's: A's rows, and B's, have the
     same bits alone and together, and equal attention computed beam by beam within a tolerance."""
@@ -316,8 +316,8 @@ def test_beams_of_one_request_read_shared_pages_once_whatever_the_batch(dtype: t
     torch.testing.assert_close(alone_a, beam_by_beam)
     layout = prepare_invariant_layout(beams_a + beams_b, [True] * 5, tokens_per_block, "cpu", [3, 3, 3, 2, 2])
     (part,) = layout.slices
-    # A: items 0, 1 shared by 3 (R = 3), item 2 per beam (R = 1); B: items 0, 1 by 2, item 2 per beam.
-    assert sorted(tuple(members.shape) for members in part.shared) == [(2, 2), (2, 3), (5, 1)]
+    # A: items 0 to 3 shared by 3 (R = 3), item 4 per beam (R = 1); B: items 0 to 3 by 2, item 4 per beam.
+    assert sorted(tuple(members.shape) for members in part.shared) == [(4, 2), (4, 3), (5, 1)]
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,21 @@ def test_copy_blocks_copies_whole_pages_and_reads_sources_first() -> None:
     pool.copy_blocks([])
 
 
+def test_copy_blocks_without_a_chain_copies_each_page_once() -> None:
+    """Copies whose destinations are no copy's source (a beam step's copy-on-write): each
+    destination gets its source's page, one source may feed several, every other page stays."""
+    pool = make_pool()
+    for block in range(pool.num_blocks):
+        pool.data[block] = float(block)
+    pool.layer_view(1)[1, VALUE, 2] = -3.0
+    before = pool.data.clone()
+    pool.copy_blocks([CopyOp(src_block=1, dst_block=3), CopyOp(src_block=1, dst_block=5), CopyOp(2, 4)])
+    assert torch.equal(pool.data[3], before[1]) and torch.equal(pool.data[5], before[1])
+    assert torch.equal(pool.data[4], before[2])
+    for block in (0, 1, 2):
+        assert torch.equal(pool.data[block], before[block])
+
+
 def test_pool_bytes_bound_lowers_the_block_count() -> None:
     config = tiny_model_config()
     page_bytes = KVPool.page_bytes_for(config, 16, torch.float64)
