@@ -47,7 +47,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 CHILD_TIMEOUT_S = 600.0  # far above what the checks took here (SmolLM2-135M: 1.2-1.5 s in bfloat16)
-# A child costs a Python start and `import torch` (~2 s): worth it only where the checks are large
+# A child costs a Python start and `import torch` (1.3-1.5 s here): worth it only where the checks are large
 # (their banks and primitives scale with the largest shape, the LM head's out x in).
 CHILD_MIN_ELEMENTS = 1 << 20
 
