@@ -54,8 +54,13 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine(ContextSide, GenerationSide):
-    def __init__(self, config: EngineConfig, queue_limits: QueueLimits | None = None) -> None:
-        """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded)."""
+    def __init__(
+        self, config: EngineConfig, queue_limits: QueueLimits | None = None, warm_up: bool = True
+    ) -> None:
+        """queue_limits: bounds on the scheduler's waiting queue (a server's; None: unbounded).
+        warm_up=False: the caller calls warm_up() before serving, from the thread that will step
+        the engine (its torch thread count is the one the kernel checks are for); the checks'
+        child process started during the load waits for that call."""
         self._check_child: CheckChild | None = None
         try:
             # A tied embedding's dense copy goes where packing puts the head (engine/packed_linear.py).
@@ -111,11 +116,13 @@ class LLMEngine(ContextSide, GenerationSide):
             self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
             self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
             self._request_counter = itertools.count()
-            self.warm_up(self._check_child)
-        finally:
+            if warm_up:
+                self.warm_up()
+        except BaseException:
             if self._check_child is not None:  # not asked: an error before the warm-up
                 self._check_child.close()
-            self._check_child = None
+                self._check_child = None
+            raise
 
     def _start_check_child(self, model_config: ModelConfig, packs: bool) -> None:
         """Starts the kernel checks' child where this engine packs its linear layers and the LM
@@ -126,19 +133,20 @@ class LLMEngine(ContextSide, GenerationSide):
             except OSError as error:
                 logger.warning("no child process for the kernel checks (%s): they run here", error)
 
-    def warm_up(self, check_child: CheckChild | None = None) -> float:
+    def warm_up(self) -> float:
         """Runs every per-shape kernel check at this thread's torch thread count and packs the
         linear weights (engine/packed_linear.py), so that no request pays for them; returns the
-        seconds it took. Called once here; a caller that steps the engine from a thread with
-        another thread count calls it again from that thread before reporting ready.
-        check_child: a child started for the checks (asked or closed here)."""
+        seconds it took. Called by the constructor unless told not to; a caller that steps the
+        engine from a thread with another thread count calls it from that thread before
+        reporting ready."""
         started = time.monotonic()
+        check_child, self._check_child = self._check_child, None  # the load's, asked once
         if self.config.batch_invariant:
             model, num_threads = self.runner.model, torch.get_num_threads()
             # The checks in a child process first: their primitives and banks leave with it
             # (engine/kernel_facts.py); the warm-up then finds every answer known.
             checks = linear_checks(model, num_threads) + fusion_checks(model, num_threads)
-            checks_in_child(model, checks, check_child)
+            checks_in_child(model, checks, check_child)  # (a child starts only where the model packs)
             warm_up_linear_layers(model)
             fuse_packed_projections(model)
         # The de-quantized source tensors, the dense weights packing replaced and the checks'

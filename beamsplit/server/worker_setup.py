@@ -78,7 +78,8 @@ def start_engine(
     if one_pool:
         torch.set_num_threads(1)
     try:
-        engine = LLMEngine(config, queue_limits)
+        # One pool: the loop thread warms up (the kernel checks are for its thread count).
+        engine = LLMEngine(config, queue_limits, warm_up=not one_pool)
     except (OSError, ValueError) as error:  # missing files, bad checkpoints, refused formats
         raise ModelLoadError(f"cannot load --model {config.model}: {error}") from error
     config = engine.config  # the pool size is settled once the model is loaded
@@ -95,8 +96,8 @@ def start_engine(
     if not run_in_caller:
         loop.start()
         if one_pool:
-            # The loop thread computes with num_threads, for which the checks have not run yet: run
-            # them there before anyone is told the engine is ready (engine/packed_linear.py).
+            # The loop thread computes with num_threads: the checks and the packing run there
+            # before anyone is told the engine is ready (engine/packed_linear.py).
             loop.call(lambda engine: engine.warm_up(), timeout_s=WARM_UP_TIMEOUT_S)
     return EngineHandle(engine=engine, loop=loop, config=config)
 

@@ -158,6 +158,8 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(share
     from beamsplit.server.metrics import ServerMetrics
     from beamsplit.server.worker_setup import start_engine
     from engine import CacheConfig, EngineConfig
+    from engine.batch_invariant import RowChunkedLinear
+    from engine.packed_linear import PackedLinear
 
     before = torch.get_num_threads()
     if before < 2:
@@ -170,6 +172,11 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(share
     try:
         assert torch.get_num_threads() == (num_threads if shares_cores else 1)
         assert handle.loop.call(lambda engine: torch.get_num_threads(), timeout_s=30.0) == num_threads
+        # Warmed up (checked and packed) before start_engine returns: on the loop thread alone
+        # on its cores (LLMEngine(warm_up=False), then warm_up() there), else in the constructor.
+        modules = list(handle.engine.runner.model.modules())
+        assert any(isinstance(module, PackedLinear) for module in modules)
+        assert not any(isinstance(module, RowChunkedLinear) for module in modules)
     finally:
         handle.loop.stop()
         torch.set_num_threads(before)

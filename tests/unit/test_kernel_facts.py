@@ -130,3 +130,46 @@ def test_engine_with_checks_in_a_child_computes_what_one_without_does(
     threads = torch.get_num_threads()
     assert packed_linear.linear_checks(model, threads) == []
     assert fused_projections.fusion_checks(model, threads) == []
+
+
+def test_deferred_warm_up_asks_the_load_child_at_its_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """warm_up=False (a server whose loop thread computes with other threads than the loading
+    one): the child started at load waits, and the caller's warm_up() asks it at the caller's
+    thread count, the only count measured; nothing is measured in the process."""
+    monkeypatch.setattr(packed_linear, "CHILD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(llm_engine, "CHILD_MIN_ELEMENTS", 0)
+    threads = torch.get_num_threads()
+    other = 2 if threads == 1 else 1
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32"), warm_up=False)
+    child = engine._check_child
+    assert child is not None and measured_here() == 0
+    assert not any(isinstance(module, packed_linear.PackedLinear) for module in engine.runner.model.modules())
+    torch.set_num_threads(other)
+    try:
+        engine.warm_up()
+        assert engine._check_child is None and child._process is None  # asked, once
+        model = engine.runner.model
+        assert packed_linear.linear_checks(model, other) == [] and packed_linear.linear_checks(model, threads)
+        engine.generate(list(range(5, 30)), SamplingParams(beam_width=2, max_new_tokens=3))
+    finally:
+        torch.set_num_threads(threads)
+    assert measured_here() == 0
+
+
+def test_a_failed_load_ends_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llm_engine, "CHILD_MIN_ELEMENTS", 0)
+    started: list[CheckChild] = []
+
+    class Recorded(CheckChild):
+        def __init__(self, modules: tuple[str, ...]) -> None:
+            super().__init__(modules)
+            started.append(self)
+
+    def no_pool(*args: object) -> None:
+        raise OSError("no memory for the pool")
+
+    monkeypatch.setattr(llm_engine, "CheckChild", Recorded)
+    monkeypatch.setattr(llm_engine.GroupedKVPool, "build", no_pool)
+    with pytest.raises(OSError, match="no memory"):
+        LLMEngine(EngineConfig(model="tiny", dtype="float32"))
+    assert len(started) == 1 and started[0]._process is None  # closed
