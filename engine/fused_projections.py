@@ -19,7 +19,8 @@ them, with the split the decoder already has for those families (engine/models/d
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,84 +84,94 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear
     return linear
 
 
+@dataclass(frozen=True)
+class FusionSet:
+    """One module's q/k/v or gate/up set, as the model holds it now."""
+
+    module: nn.Module
+    fusion: tuple[str, tuple[str, ...], str, str, str]  # a row of FUSIONS
+    fused: bool  # one fused layer (ours, or the checkpoint's), else the separate layers
+    shape: tuple[int, tuple[int, ...], torch.dtype, str, int]  # in, the parts' widths, dtype, "cpu", threads
+
+
+def fusion_sets(model: nn.Module, num_threads: int) -> Iterator[FusionSet]:
+    """Every set fuse_packed_projections may fuse or split, with the shape fusion_is_exact is asked
+    for; linear layers packed or not yet (fusion_checks asks before packing). Left out: a layer
+    fused in the checkpoint without our widths (Phi-3: not ours to split), and parts where some
+    have a bias and some not (a zero bias would turn a -0.0 output into +0.0)."""
+    for module in list(model.modules()):
+        for fusion in FUSIONS:
+            fused_name, names, method, fused_method, _ = fusion
+            if not hasattr(module, fused_method):
+                continue
+            fused_shape = linear_shape(getattr(module, fused_name, nn.Identity()), num_threads)
+            if fused_shape is not None and getattr(module, method) == getattr(module, fused_method):
+                in_features, out_features, dtype, *_ = fused_shape
+                widths = _widths(module, out_features)
+                if widths is not None:
+                    yield FusionSet(module, fusion, True, (in_features, widths, dtype, "cpu", num_threads))
+                continue
+            parts = [getattr(module, name, None) for name in names]
+            shapes = [linear_shape(part, num_threads) for part in parts if isinstance(part, nn.Module)]
+            if len(shapes) != len(names) or None in shapes:
+                continue
+            if len({part.bias is None for part in parts if isinstance(part, nn.Module)}) > 1:
+                continue
+            in_features, _, dtype, *_ = shapes[0]  # type: ignore[misc]
+            widths = tuple(shape[1] for shape in shapes if shape is not None)
+            yield FusionSet(module, fusion, False, (in_features, widths, dtype, "cpu", num_threads))
+
+
 def fuse_packed_projections(model: nn.Module) -> int:
     """Fuses, in place, every q/k/v and gate/up set of PackedLinear layers where fusion_is_exact
     holds at this thread count, and splits a fused set again where it does not (a warm-up at
     another thread count); returns the fused sets now in the model."""
     num_threads = torch.get_num_threads()
     num_fused = 0
-    for module in list(model.modules()):
-        for fused_name, names, method, fused_method, apart_method in FUSIONS:
-            if not hasattr(module, fused_method):
+    for found in fusion_sets(model, num_threads):
+        module, (fused_name, names, method, fused_method, apart_method) = found.module, found.fusion
+        in_features, widths, dtype, *_ = found.shape
+        if found.fused:
+            fused = getattr(module, fused_name)
+            if not isinstance(fused, PackedLinear):
                 continue
-            fused = getattr(module, fused_name, None)
-            parts = [getattr(module, name, None) for name in names]
-            if isinstance(fused, PackedLinear) and getattr(module, method) == getattr(module, fused_method):
-                widths = _widths(module, fused.out_features)
-                if widths is None:  # fused in the checkpoint (Phi-3): not ours to split
-                    continue
-                shape = (fused.in_features, widths, fused.packed_weight.dtype, "cpu", num_threads)
-                if fusion_is_exact(*shape):
-                    fused.chunked = takes_chunks(fused.in_features, widths, shape[2], num_threads)
-                    num_fused += 1
-                    continue
-                _split(module, fused_name, fused, names, widths)
-                setattr(module, method, getattr(module, apart_method))
-            elif all(isinstance(part, PackedLinear) for part in parts):
-                layers = [part for part in parts if isinstance(part, PackedLinear)]
-                if len({layer.bias is None for layer in layers}) > 1:
-                    continue  # a zero bias would turn a -0.0 output into +0.0
-                widths = tuple(layer.out_features for layer in layers)
-                shape = (layers[0].in_features, widths, layers[0].packed_weight.dtype, "cpu", num_threads)
-                if not fusion_is_exact(*shape):
-                    continue
-                chunked = takes_chunks(shape[0], widths, shape[2], num_threads)
-                setattr(module, fused_name, _fuse(layers, chunked))
-                for name in names:
-                    delattr(module, name)
-                module.fused_widths = widths  # type: ignore[assignment]
-                setattr(module, method, getattr(module, fused_method))
+            if fusion_is_exact(*found.shape):
+                fused.chunked = takes_chunks(in_features, widths, dtype, num_threads)
                 num_fused += 1
+                continue
+            _split(module, fused_name, fused, names, widths)
+            setattr(module, method, getattr(module, apart_method))
+            continue
+        layers = [getattr(module, name) for name in names]
+        if not all(isinstance(layer, PackedLinear) for layer in layers) or not fusion_is_exact(*found.shape):
+            continue
+        setattr(module, fused_name, _fuse(layers, takes_chunks(in_features, widths, dtype, num_threads)))
+        for name in names:
+            delattr(module, name)
+        module.fused_widths = widths  # type: ignore[assignment]
+        setattr(module, method, getattr(module, fused_method))
+        num_fused += 1
     for module in model.modules():
         for fused_name, *_ in FUSIONS:
             fused = getattr(module, fused_name, None)
             if isinstance(fused, PackedLinear):  # its own kernel checks, now rather than on a request
-                kernel_shape = (
-                    fused.in_features,
-                    fused.out_features,
-                    fused.packed_weight.dtype,
-                    "cpu",
-                    num_threads,
+                takes_onednn_path(
+                    fused.in_features, fused.out_features, fused.packed_weight.dtype, "cpu", num_threads
                 )
-                takes_onednn_path(*kernel_shape)
     logger.info("fused projections at %d threads: %d sets", num_threads, num_fused)
     return num_fused
 
 
 def fusion_checks(model: nn.Module, num_threads: int) -> list[tuple[Callable[..., bool], tuple[Any, ...]]]:
-    """The checks fuse_packed_projections will ask for the model's q/k/v and gate/up sets (before
-    packing or after) and this process has not measured yet, each shape once: fusion_is_exact,
-    then the fused layer's own kernel checks."""
+    """The checks fuse_packed_projections will ask for the model's sets (fusion_sets) and this
+    process has not measured yet, each shape once: fusion_is_exact, then the fused layer's own
+    kernel checks."""
     checks: dict[tuple[Callable[..., bool], tuple[Any, ...]], None] = {}
-    for module in model.modules():
-        for fused_name, names, method, fused_method, _ in FUSIONS:
-            if not hasattr(module, fused_method):
-                continue
-            fused_shape = linear_shape(getattr(module, fused_name, nn.Identity()), num_threads)
-            part_shapes = [linear_shape(getattr(module, name, nn.Identity()), num_threads) for name in names]
-            widths: tuple[int, ...] | None = None
-            if fused_shape is not None and getattr(module, method) == getattr(module, fused_method):
-                in_features, out_features, dtype, *_ = fused_shape
-                widths = _widths(module, out_features)
-            elif all(shape is not None for shape in part_shapes):
-                shapes = [shape for shape in part_shapes if shape is not None]
-                in_features, _, dtype, *_ = shapes[0]
-                widths = tuple(shape[1] for shape in shapes)
-            if widths is None:
-                continue
-            if not is_known(fusion_is_exact, in_features, widths, dtype, "cpu", num_threads):
-                checks[(fusion_is_exact, (in_features, widths, dtype, "cpu", num_threads))] = None
-                checks[(takes_onednn_path, (in_features, sum(widths), dtype, "cpu", num_threads))] = None
+    for found in fusion_sets(model, num_threads):
+        if not is_known(fusion_is_exact, *found.shape):
+            in_features, widths, dtype, *_ = found.shape
+            checks[(fusion_is_exact, found.shape)] = None
+            checks[(takes_onednn_path, (in_features, sum(widths), dtype, "cpu", num_threads))] = None
     return list(checks)
 
 
