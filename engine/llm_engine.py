@@ -63,59 +63,7 @@ class LLMEngine(ContextSide, GenerationSide):
         child process started during the load waits for that call."""
         self._check_child: CheckChild | None = None
         try:
-            # A tied embedding's dense copy goes where packing puts the head (engine/packed_linear.py).
-            compact = config.batch_invariant and torch.device(config.device).type == "cpu"
-            # The kernel checks' child process starts as soon as the model's shapes are known, so its
-            # start-up overlaps the weights' loading (engine/kernel_facts.py).
-            model, self.model_config, self.tokenizer = load_model(
-                config.model,
-                config.dtype,
-                config.device,
-                compact_tied_embedding=compact,
-                on_config=lambda model_config: self._start_check_child(model_config, compact),
-            )
-            if config.batch_invariant:
-                # Every kernel check and weight packing now, before anyone calls this engine ready:
-                # not on the first request (engine/packed_linear.py).
-                make_batch_invariant(model)
-            # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
-            layout = GroupedKVPool.build(
-                self.model_config, config.cache, model.dtype, config.device,
-                StatePool.state_bytes_for(self.model_config, model.dtype),
-            )  # fmt: skip
-            cache_config = layout.cache_config
-            self.config = replace(config, cache=cache_config)  # the pool size found at run time
-            # One page: a KV group's S layers (every layer with one group), and a hybrid's snapshot.
-            self.page_bytes = layout.page_bytes
-            self.cache_config = cache_config
-            self.kv_pool = layout.pool
-            self.kv_cache = KVGroups(cache_config, layout.groups, self.model_config.is_hybrid)
-            self.state_pool: StatePool | None = None
-            if self.model_config.is_hybrid:
-                # One slot per running beam (max_num_seqs of them) plus as many for prompts being
-                # prefilled on the context side.
-                self.state_pool = StatePool(
-                    self.model_config,
-                    2 * config.max_num_seqs,
-                    cache_config.num_blocks,
-                    model.dtype,
-                    config.device,
-                )
-            windows = [group.window for group in layout.groups]
-            self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant, windows)
-            self.scheduler = Scheduler(
-                self.kv_cache,
-                config.max_num_seqs,
-                self.kv_pool.copy_blocks,
-                self.state_pool,
-                config.max_num_batched_tokens,
-                queue_limits,
-            )
-            self._requests: dict[str, Request] = {}
-            self._prefilled: dict[str, GroupedTable] = {}  # context side: pinned prompts
-            self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
-            self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
-            self._request_counter = itertools.count()
+            self._build(config, queue_limits)
             if warm_up:
                 self.warm_up()
         except BaseException:
@@ -123,6 +71,62 @@ class LLMEngine(ContextSide, GenerationSide):
                 self._check_child.close()
                 self._check_child = None
             raise
+
+    def _build(self, config: EngineConfig, queue_limits: QueueLimits | None) -> None:
+        """The model, the KV pool and cache, the runner and the scheduler."""
+        # A tied embedding's dense copy goes where packing puts the head (engine/packed_linear.py).
+        compact = config.batch_invariant and torch.device(config.device).type == "cpu"
+        # The kernel checks' child process starts as soon as the model's shapes are known, so its
+        # start-up overlaps the weights' loading (engine/kernel_facts.py).
+        model, self.model_config, self.tokenizer = load_model(
+            config.model,
+            config.dtype,
+            config.device,
+            compact_tied_embedding=compact,
+            on_config=lambda model_config: self._start_check_child(model_config, compact),
+        )
+        if config.batch_invariant:
+            # Every kernel check and weight packing now, before anyone calls this engine ready:
+            # not on the first request (engine/packed_linear.py).
+            make_batch_invariant(model)
+        # A hybrid model keeps one state snapshot per block next to its page (engine/state_pool.py).
+        layout = GroupedKVPool.build(
+            self.model_config, config.cache, model.dtype, config.device,
+            StatePool.state_bytes_for(self.model_config, model.dtype),
+        )  # fmt: skip
+        cache_config = layout.cache_config
+        self.config = replace(config, cache=cache_config)  # the pool size found at run time
+        # One page: a KV group's S layers (every layer with one group), and a hybrid's snapshot.
+        self.page_bytes = layout.page_bytes
+        self.cache_config = cache_config
+        self.kv_pool = layout.pool
+        self.kv_cache = KVGroups(cache_config, layout.groups, self.model_config.is_hybrid)
+        self.state_pool: StatePool | None = None
+        if self.model_config.is_hybrid:
+            # One slot per running beam (max_num_seqs of them) plus as many for prompts being
+            # prefilled on the context side.
+            self.state_pool = StatePool(
+                self.model_config,
+                2 * config.max_num_seqs,
+                cache_config.num_blocks,
+                model.dtype,
+                config.device,
+            )
+        windows = [group.window for group in layout.groups]
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.batch_invariant, windows)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            config.max_num_seqs,
+            self.kv_pool.copy_blocks,
+            self.state_pool,
+            config.max_num_batched_tokens,
+            queue_limits,
+        )
+        self._requests: dict[str, Request] = {}
+        self._prefilled: dict[str, GroupedTable] = {}  # context side: pinned prompts
+        self._reservations: dict[str, Reservation] = {}  # generation side: awaiting their pull
+        self._ready_outputs: list[RequestOutput] = []  # decided outside step(), sent by the next one
+        self._request_counter = itertools.count()
 
     def _start_check_child(self, model_config: ModelConfig, packs: bool) -> None:
         """Starts the kernel checks' child where this engine packs its linear layers and the LM
