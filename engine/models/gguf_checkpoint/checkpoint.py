@@ -1,8 +1,9 @@
 """A GGUF file: its Hugging Face config dict and ModelConfig, its tokenizer and chat template, its weights.
 
 reader.py reads the format (metadata decoded in one pass, tensors memory-mapped), the `gguf`
-package (llama.cpp's own Python library) names the types and de-quantizes the blocks to float32; architectures.py and tensors.py map the metadata and tensors back to what the Hugging
-Face checkpoint held, so a GGUF file and a directory go through the same `ModelConfig.from_dict`.
+package (llama.cpp's own Python library) names the types and de-quantizes the blocks to float32;
+architectures.py and tensors.py map the metadata and tensors back to what the Hugging Face
+checkpoint held, so a GGUF file and a directory go through the same `ModelConfig.from_dict`.
 Refused with one line naming them: other architectures, `{architecture}.*` metadata keys no table
 reads, tensor types `gguf` cannot de-quantize here, tokenizers other than byte-level BPE and
 Gemma's SentencePiece BPE.
