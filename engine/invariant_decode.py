@@ -4,11 +4,12 @@ A decode token alone (G rows per kv head) reads items of PAGES_PER_ITEM pages (K
 T = 32): scores [R G, D] x [D, K] and P @ V [R G, K] x [K, D] are fixed-shape items of a batched
 matmul whose strides are constants, R the beams of one request that read the same item at the
 same position (a function of the request's own beams, never of the batch). Items are summed by
-`tree_sum`, the softmax denominators too (item by item, then over items): a pairwise tree with a
-fixed leaf for each item, so items past a token's position (or padding up to the batch's longest
+`tree_sum`, the softmax denominators too (each item's by `sum` over its keys, then over items): a
+pairwise tree with a fixed leaf for each item, so items past a token's position (or padding up to the batch's longest
 context) only ever add exact zeros, and such items are never computed. torch's own `sum` is not
-safe here: measured, summing a middle axis whose inner size is under 16 or so changes bits with
-the axis length and the row count.
+safe over items: measured, summing a middle axis whose inner size is under 16 or so changes bits
+with the axis length and the row count. Over an item's keys (the last axis, always K long) it is
+safe, and one op instead of a tree (issue 29, stop 28).
 
 Cost (issue 29): the step's index tensors are built once per step (`DecodePlan`, one per head
 layout and window, shared by every layer), so a layer runs about 35 tensor ops whatever the
@@ -355,7 +356,10 @@ def decode_attention(
     # Numerator and denominator side by side [S, D + 1]: one tree over items sums both (the tree's
     # adds are element-wise, so each column gets the bits of a tree of its own).
     leaves = partial.new_zeros((math.prod(leaf_shape), head_dim + 1))
-    leaves[plan.row_leaf] = torch.cat((partial, tree_sum(weights, dim=-1)[:, None]), dim=1)
+    # A row's weights are summed over its item's K keys by `sum` over the last axis: a row's bits
+    # do not depend on the rows beside it (measured: tests/unit/test_batch_invariance.py); K is
+    # fixed, so no padding enters. A tree over the keys took 6 adds and 12 slices a layer.
+    leaves[plan.row_leaf] = torch.cat((partial, weights.sum(dim=-1, keepdim=True)), dim=1)
     sums = tree_sum(leaves.view(*leaf_shape, head_dim + 1), dim=2)  # [Hkv, U, G, D + 1]
     unit_output = sums[..., :head_dim] / sums[..., head_dim:]  # [Hkv, U, G, D]
     output[part.token_index[:, 0]] = unit_output.transpose(0, 1).reshape(num_units, num_heads, head_dim)

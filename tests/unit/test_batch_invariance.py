@@ -391,3 +391,30 @@ def test_requests_in_a_changing_batch_equal_their_runs_alone(
     assert engine.num_blocks_in_use() == 0
     different = [request_id for request_id in alone if together[request_id] != alone[request_id]]
     assert not different, f"{len(different)} of {len(alone)} requests changed in the batch: {different}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_row_sums_over_the_last_axis_do_not_depend_on_the_rows_beside(
+    dtype: torch.dtype, num_threads: int
+) -> None:
+    """The decode kernel sums each score row's weights over its item's K keys with `sum` over the
+    last axis: a row gives the bits it gives alone, whatever the row count and the rows' place in
+    the buffer (a bucket's rows start anywhere in the step's scores)."""
+    generator = torch.Generator().manual_seed(5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for keys in (32, 64, 128):
+            # Weights as the kernel makes them: exp of scores minus a maximum, some exactly 0
+            rows = torch.randn(3000, keys, generator=generator, dtype=dtype).mul_(4).exp_()
+            rows[rows < 0.05] = 0
+            alone = torch.stack([rows[index : index + 1].sum(dim=-1)[0] for index in range(0, 3000, 61)])
+            for first, count in ((0, 1), (0, 9), (5, 36), (61, 200), (3, 1700), (0, 3000)):
+                sums = rows[first : first + count].sum(dim=-1)
+                picked = [index for index in range(0, 3000, 61) if first <= index < first + count]
+                assert torch.equal(
+                    sums[[index - first for index in picked]], alone[[index // 61 for index in picked]]
+                ), (keys, first, count)
+    finally:
+        torch.set_num_threads(previous)
