@@ -62,6 +62,8 @@ class LLMEngine(ContextSide, GenerationSide):
         the engine (its torch thread count is the one the kernel checks are for); the checks'
         child process started during the load waits for that call."""
         self._check_child: CheckChild | None = None
+        # Whether this engine's kernel checks run in a child (decided once, at the config)
+        self._checks_in_child = False
         try:
             self._build(config, queue_limits)
             if warm_up:
@@ -129,9 +131,14 @@ class LLMEngine(ContextSide, GenerationSide):
         self._request_counter = itertools.count()
 
     def _start_check_child(self, model_config: ModelConfig, packs: bool) -> None:
-        """Starts the kernel checks' child where this engine packs its linear layers and the LM
-        head is large enough for the checks' memory to matter (engine/kernel_facts.py)."""
-        if packs and model_config.vocab_size * model_config.hidden_size >= CHILD_MIN_ELEMENTS:
+        """Decides whether the kernel checks run in a child: where this engine packs its linear
+        layers and the LM head (the largest linear layer of every family here) is large enough for
+        the checks' memory to matter (engine/kernel_facts.py); starts it then. A warm-up that finds
+        no child waiting (a second one, at another thread count) starts its own."""
+        self._checks_in_child = (
+            packs and model_config.vocab_size * model_config.hidden_size >= CHILD_MIN_ELEMENTS
+        )
+        if self._checks_in_child:
             try:
                 self._check_child = CheckChild(CHECK_MODULES)
             except OSError as error:
@@ -150,7 +157,7 @@ class LLMEngine(ContextSide, GenerationSide):
             # The checks in a child process first: their primitives and banks leave with it
             # (engine/kernel_facts.py); the warm-up then finds every answer known.
             checks = linear_checks(model, num_threads) + fusion_checks(model, num_threads)
-            checks_in_child(model, checks, check_child)  # (a child starts only where the model packs)
+            checks_in_child(checks, check_child, start=self._checks_in_child)
             warm_up_linear_layers(model)
             fuse_packed_projections(model)
         # The de-quantized source tensors, the dense weights packing replaced and the checks'

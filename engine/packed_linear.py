@@ -28,7 +28,7 @@ from torch import nn
 
 import engine.batch_invariant as batch_invariant
 import engine.onednn_calls as onednn_calls
-from engine.kernel_facts import CHILD_MIN_ELEMENTS, CheckChild, is_known, measure_in_child
+from engine.kernel_facts import CheckChild, is_known, measure_in_child
 
 logger = logging.getLogger(__name__)
 
@@ -137,25 +137,19 @@ CHECK_MODULES = ("engine.packed_linear", "engine.fused_projections")
 
 
 def checks_in_child(
-    model: nn.Module,
-    calls: Sequence[tuple[Callable[..., bool], tuple[Any, ...]]],
-    child: CheckChild | None = None,
+    calls: Sequence[tuple[Callable[..., bool], tuple[Any, ...]]], child: CheckChild | None, start: bool
 ) -> bool:
     """Runs `calls` (linear_checks', fusion_checks') in a child process (engine/kernel_facts.py):
     `child` if one was started for them (closed unasked where there is nothing to run), else a
-    new one where the model's largest linear layer makes the checks' memory worth a child's
-    start-up (a few MiB of oneDNN primitives and freed banks per shape); True where the child
-    measured them."""
-    largest = max(
-        (shape[0] * shape[1] for module in model.modules() if (shape := linear_shape(module, 1))), default=0
-    )
-    worth_it = bool(calls) and largest >= CHILD_MIN_ELEMENTS and all(args[3] == "cpu" for _, args in calls)
+    new one where `start` (the engine's decision: LLMEngine._start_check_child); True where the
+    child measured them. Checks for another device than the CPU run here."""
+    runnable = bool(calls) and all(args[3] == "cpu" for _, args in calls)
     if child is not None:
-        if worth_it:
+        if runnable:
             return child.measure(calls, torch.get_num_threads())
         child.close()
         return False
-    return worth_it and measure_in_child(calls, torch.get_num_threads())
+    return start and runnable and measure_in_child(calls, torch.get_num_threads())
 
 
 def warm_up_linear_layers(model: nn.Module) -> int:

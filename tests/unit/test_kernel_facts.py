@@ -99,8 +99,9 @@ def test_engine_with_checks_in_a_child_computes_what_one_without_does(
     monkeypatch: pytest.MonkeyPatch, early: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The tiny model is below the size that earns a child; with the bound lowered it gets one
-    (started when the loader reads the config, or by the warm-up): its warm-up and a request then
-    measure nothing here, and every beam equals the in-process engine's."""
+    (started when the loader reads the config, or, where that start failed, by the warm-up): its
+    warm-up and a request then measure nothing here, and every beam equals the in-process
+    engine's."""
     params = SamplingParams(beam_width=3, max_new_tokens=5, ignore_eos=True)
     prompt = list(range(7, 47))
     in_process = LLMEngine(EngineConfig(model="tiny", dtype="float32"))
@@ -108,14 +109,19 @@ def test_engine_with_checks_in_a_child_computes_what_one_without_does(
     expected = in_process.generate(prompt, params)
     for check in CHECKS:
         check.cache_clear()
-    monkeypatch.setattr(packed_linear, "CHILD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(llm_engine, "CHILD_MIN_ELEMENTS", 0)
     if early:
-        monkeypatch.setattr(llm_engine, "CHILD_MIN_ELEMENTS", 0)
 
         def no_second_child(*args: object) -> bool:
             raise AssertionError("the warm-up started a child beside the one started at config")
 
         monkeypatch.setattr(packed_linear, "measure_in_child", no_second_child)
+    else:
+
+        def no_process(modules: tuple[str, ...]) -> CheckChild:
+            raise OSError("no process")
+
+        monkeypatch.setattr(llm_engine, "CheckChild", no_process)
     caplog.set_level(logging.INFO, logger="engine.kernel_facts")
     engine = LLMEngine(EngineConfig(model="tiny", dtype="float32"))
     assert "measured in a child process" in caplog.text
@@ -136,7 +142,6 @@ def test_deferred_warm_up_asks_the_load_child_at_its_thread_count(monkeypatch: p
     """warm_up=False (a server whose loop thread computes with other threads than the loading
     one): the child started at load waits, and the caller's warm_up() asks it at the caller's
     thread count, the only count measured; nothing is measured in the process."""
-    monkeypatch.setattr(packed_linear, "CHILD_MIN_ELEMENTS", 0)
     monkeypatch.setattr(llm_engine, "CHILD_MIN_ELEMENTS", 0)
     threads = torch.get_num_threads()
     other = 2 if threads == 1 else 1
