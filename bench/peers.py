@@ -235,10 +235,20 @@ def run_peer(
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=SYSTEM_TIMEOUT_S, env=env)
     if result.returncode != 0:
-        return {"error": f"exit {result.returncode}: {result.stderr.strip()[-300:]}"}
+        return {
+            "error": failure_reason(result.returncode, result.stderr),
+            "stderr_tail": result.stderr[-2000:],
+        }
     report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     report["rss_bytes"] = report["peak_rss_bytes"]
     return report
+
+
+def failure_reason(returncode: int, stderr: str) -> str:
+    """Why a system's process failed, in one line: its last line of stderr (an uncaught exception's
+    type and message), not the traceback above it."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    return f"exit {returncode}: {lines[-1][:300] if lines else 'no output on stderr'}"
 
 
 def model_description(model_dir: Path) -> dict[str, Any]:

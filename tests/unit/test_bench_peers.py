@@ -60,6 +60,25 @@ def test_goals_compare_with_the_fastest_peer(rules: Any) -> None:
     assert "beamsplit-disaggregated float32 throughput / fastest peer" not in goals  # it did not run
 
 
+def test_a_failed_system_is_reported_by_its_exception_line() -> None:
+    """A peer that cannot run (CTranslate2 refuses bfloat16 without native support) is skipped
+    with the exception's own line, not the tail of its traceback."""
+    peers = bench.load_bench_module("peers")
+    traceback = (
+        "Traceback (most recent call last):\n"
+        '  File "bench/peers_systems.py", line 116, in load_ctranslate2\n'
+        "    generator = ctranslate2.Generator(\n"
+        "                ^^^^^^^^^^^^^^^^^^^^^^\n"
+        "ValueError: Requested bfloat16 compute type, but the target device or backend do not support "
+        "efficient bfloat16 computation.\n\n"
+    )
+    assert peers.failure_reason(1, traceback) == (
+        "exit 1: ValueError: Requested bfloat16 compute type, but the target device or backend do not "
+        "support efficient bfloat16 computation."
+    )
+    assert peers.failure_reason(-9, "") == "exit -9: no output on stderr"
+
+
 def test_cli_registers_peers_with_its_flags() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
