@@ -5,11 +5,11 @@ T = 32): scores [R G, D] x [D, K] and P @ V [R G, K] x [K, D] are fixed-shape it
 matmul whose strides are constants, R the beams of one request that read the same item at the
 same position (a function of the request's own beams, never of the batch). Items are summed by
 `tree_sum`, the softmax denominators too (each item's by `sum` over its keys, then over items): a
-pairwise tree with a fixed leaf for each item, so items past a token's position (or padding up to the batch's longest
-context) only ever add exact zeros, and such items are never computed. torch's own `sum` is not
-safe over items: measured, summing a middle axis whose inner size is under 16 or so changes bits
-with the axis length and the row count. Over an item's keys (the last axis, always K long) it is
-safe, and one op instead of a tree (issue 29, stop 28).
+pairwise tree with a fixed leaf for each item, so items past a token's position (or padding up to
+the batch's longest context) only ever add exact zeros, and such items are never computed.
+torch's own `sum` is not safe over items: measured, summing a middle axis whose inner size is
+under 16 or so changes bits with the axis length and the row count. Over an item's keys (the last
+axis, always K long) it is safe, and one op instead of a tree (issue 29, stop 28).
 
 Cost (issue 29): the step's index tensors are built once per step (`DecodePlan`, one per head
 layout and window, shared by every layer), so a layer runs about 35 tensor ops whatever the
