@@ -252,7 +252,7 @@ def step_beam_searches(searches: Sequence[BeamSearch], logprobs: torch.Tensor) -
         logprobs.to(torch.float32).reshape(num_requests, width, vocab_size) + running_scores[:, :, None]
     )
     accumulated = accumulated.view(num_requests, width * vocab_size)  # [R, W*V]
-    top_logprobs, top_indices = torch.topk(accumulated, k=2 * width)  # [R, K]
+    top_logprobs, top_indices = torch.topk(accumulated, k=searches[0].params.num_candidates)  # [R, K]
     parents, tokens = top_indices // vocab_size, top_indices % vocab_size
     return [
         search._advance(

@@ -9,8 +9,9 @@ scratchpad), and the banks' freed chunks stay in malloc's heap. Measured on Smol
 bfloat16 (issue 29): 38 MiB of the engine's resident memory after load (1652 against 1614 MiB),
 more than the 9 MiB by which the aggregated server missed the bound of 1.3x its weights + pool.
 
-So the engine can ask a child process to run them: `measure_in_child` starts this module with
-the same interpreter, torch build, environment and thread count, runs the calls it is given (the
+So the engine can ask a child process to run them: `CheckChild` (started by the engine when the
+loader reads the config) or `measure_in_child` (started on the spot) starts this module with
+the same interpreter, torch build, environment and thread count; it runs the calls it is given (the
 checks a model's warm-up will ask, in the warm-up's order) and hands the results back; the parent
 adopts them, and its warm-up finds every answer known. The answers are facts about this torch
 build on this CPU at that thread count, so the child measures what the parent would: oneDNN and
