@@ -37,12 +37,14 @@ import torch
 
 from engine.invariant_decode import PAGES_PER_ITEM, AttentionSlice, decode_attention, make_slice, tree_sum
 from engine.kv_pool import KEY, VALUE
+from engine.native_kernels import decode_kernel
 
 __all__ = [
     "PAGES_PER_ITEM",
     "PROMPT_UNIT",
     "AttentionSlice",
     "InvariantLayout",
+    "NativeDecode",
     "PromptSequence",
     "invariant_attention",
     "prepare_invariant_layout",
@@ -65,9 +67,20 @@ class PromptSequence:
 
 
 @dataclass(frozen=True)
+class NativeDecode:
+    """Decode tokens for the compiled kernel (engine/native/decode_attention.cpp): each token's
+    row, position and pages; the kernel computes each (token, kv head) alone, in one order."""
+
+    token_index: torch.Tensor  # [U] the token's row among the N new tokens
+    positions: torch.Tensor  # [U] its position: it reads keys [0, position], its own included
+    block_table: torch.Tensor  # [U, P] its pages (block 0 past its own)
+
+
+@dataclass(frozen=True)
 class InvariantLayout:
-    slices: tuple[AttentionSlice, ...]  # decode tokens
+    slices: tuple[AttentionSlice, ...]  # decode tokens (torch ops)
     prompts: tuple[PromptSequence, ...] = ()
+    native: NativeDecode | None = None  # decode tokens (the compiled kernel), in place of slices
 
 
 def prepare_invariant_layout(
@@ -77,10 +90,13 @@ def prepare_invariant_layout(
     device: torch.device | str,
     beam_group_sizes: Sequence[int] | None = None,
     sliding_windows: Sequence[int] = (),
+    native_decode: bool = False,
 ) -> InvariantLayout:
     """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention;
     beam_group_sizes: per decode sequence the W of its request, whose W beams are consecutive
-    (None: each decode sequence is a request of its own); sliding_windows: the model's windows."""
+    (None: each decode sequence is a request of its own); sliding_windows: the model's windows;
+    native_decode: decode tokens go to the compiled kernel (engine/native_kernels.py) instead of
+    torch ops."""
     num_tokens = sum(num_new for _, _, num_new in seqs)
     # Per request, (token index, position, block ids) of each decoding beam
     decode_groups: list[list[tuple[int, int, Sequence[int]]]] = []
@@ -99,6 +115,21 @@ def prepare_invariant_layout(
                 _prompt_sequence(block_ids, num_cached, num_new, start, num_tokens, tokens_per_block, device)
             )
         start += num_new
+    if native_decode:
+        units = [unit for group in decode_groups for unit in group]
+        native = None
+        if units:
+            max_pages = max(len(pages) for _, _, pages in units)
+            native = NativeDecode(
+                token_index=torch.tensor([unit[0] for unit in units], dtype=torch.long, device=device),
+                positions=torch.tensor([unit[1] for unit in units], dtype=torch.long, device=device),
+                block_table=torch.tensor(
+                    [list(pages) + [0] * (max_pages - len(pages)) for _, _, pages in units],
+                    dtype=torch.long,
+                    device=device,
+                ),
+            )
+        return InvariantLayout((), tuple(prompts), native)
     # Slices bound the memory; a request's beams always stay in one slice.
     slices: list[AttentionSlice] = []
     current: list[list[tuple[int, int, Sequence[int]]]] = []
@@ -161,6 +192,13 @@ def invariant_attention(
     if layout.prompts:
         padded_query = torch.cat((padded_query, padded_query.new_zeros((1, num_heads, head_dim))))
     output = padded_query.new_empty((num_tokens + 1, num_heads, head_dim))
+    if layout.native is not None:
+        kernel = decode_kernel()
+        if kernel is None:
+            raise RuntimeError("a native decode layout, but the native decode kernel is not loaded")
+        native = layout.native
+        kernel(padded_query, kv_layer, native.token_index, native.positions, native.block_table, scale,
+               sliding_window or 0, output)  # fmt: skip
     for part in layout.slices:
         decode_attention(padded_query, kv_layer, part, scale, output, sliding_window)
     for prompt in layout.prompts:

@@ -1,0 +1,355 @@
+// Batch-invariant decode attention over the paged pool, one work item per (decode token, kv head).
+//
+// A work item reads only its own token's query rows, its own pages and its own position, and sums
+// in one fixed order: the dot products lane by lane (LANES partial sums over the head dim, then a
+// fixed pairwise tree), the softmax denominator and P @ V key by key from the window's first key to
+// the token's position. Nothing in it depends on the other tokens of the call, on the thread that
+// runs it or on the number of threads: its bits are those of the token computed alone.
+// engine/native_kernels.py builds and loads this file; engine/invariant_attention.py calls it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// One vector of 64 bytes: 16 floats or 8 doubles (GCC vector extensions: one AVX-512 register,
+// two AVX2 ones; every lane's arithmetic is the same whatever the ISA picks).
+template <typename acc_t> struct Vec;
+template <> struct Vec<float> { typedef float type __attribute__((vector_size(64))); };
+template <> struct Vec<double> { typedef double type __attribute__((vector_size(64))); };
+template <typename acc_t> constexpr int64_t kLanes = 64 / sizeof(acc_t);
+
+inline float widen(float value) { return value; }
+inline double widen(double value) { return value; }
+inline float widen(c10::BFloat16 value) { return static_cast<float>(value); }
+inline float widen(c10::Half value) { return static_cast<float>(value); }
+
+// Lanes [d, d + L) of a row of `dim`, zero past its end.
+template <typename acc_t, typename kv_t>
+inline typename Vec<acc_t>::type load(const kv_t* row, int64_t d, int64_t dim) {
+  constexpr int64_t L = kLanes<acc_t>;
+  typename Vec<acc_t>::type vector;
+  if constexpr (std::is_same_v<acc_t, kv_t>) {
+    if (d + L <= dim) {
+      std::memcpy(&vector, row + d, sizeof(vector));
+      return vector;
+    }
+  } else if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<kv_t, c10::BFloat16>) {
+    if (d + L <= dim) {  // bfloat16 is float's upper 16 bits
+      typedef uint16_t u16 __attribute__((vector_size(32)));
+      typedef uint32_t u32 __attribute__((vector_size(64)));
+      u16 bits;
+      std::memcpy(&bits, row + d, sizeof(bits));
+      const u32 wide = __builtin_convertvector(bits, u32) << 16;
+      std::memcpy(&vector, &wide, sizeof(vector));
+      return vector;
+    }
+  }
+  for (int64_t l = 0; l < L; ++l) vector[l] = d + l < dim ? widen(row[d + l]) : acc_t(0);
+  return vector;
+}
+
+// The lanes of `vector` summed as a fixed pairwise tree.
+template <typename acc_t>
+inline acc_t lane_sum(typename Vec<acc_t>::type vector) {
+  constexpr int64_t L = kLanes<acc_t>;
+  acc_t lanes[L];
+  std::memcpy(lanes, &vector, sizeof(lanes));
+  for (int64_t width = L / 2; width > 0; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  return lanes[0];
+}
+
+// Sixteen float vectors -> one vector whose lane j is the lane sum of vectors[j], each by the tree
+// of lane_sum (lane l + lane l + 8, then + 4, + 2, + 1): four levels of pairwise combining, the
+// lanes of each key kept apart, so no key's sum depends on the other fifteen.
+typedef float f16 __attribute__((vector_size(64)));
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline f16 combine8(f16 x, f16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline f16 combine4(f16 x, f16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline f16 combine2(f16 x, f16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline f16 combine1(f16 x, f16 y) {
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline f16 lane_sums16(const f16* v) {
+  f16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = combine8(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = combine4(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = combine2(b[2 * i], b[2 * i + 1]);
+  return combine1(c[0], c[1]);
+}
+
+// exp of 16 lanes, x <= 0 (a score minus its row's maximum): Cephes' expf polynomial after
+// x = n ln 2 + r; below -87.3 (past float's normal range) exactly 0, as exp's own result there
+// would weigh nothing beside the maximum's 1.
+inline f16 exp16(f16 x) {
+  const f16 clamped = x < -87.3f ? f16{} - 87.3f : x;
+  f16 n = clamped * 1.44269504088896341f + 0.5f;
+  const f16 truncated = __builtin_convertvector(__builtin_convertvector(n, i16), f16);
+  n = truncated > n ? truncated - 1.0f : truncated;  // floor
+  const f16 r = clamped - n * 0.693359375f - n * -2.12194440e-4f;
+  f16 y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const i16 exponent = (__builtin_convertvector(n, i16) + 127) << 23;
+  f16 scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return x < -87.3f ? f16{} : y * scale;
+}
+
+constexpr int64_t kMaxVectors = 32;  // head dims up to 512 floats
+
+struct Layout {
+  int64_t num_units, num_heads, num_kv_heads, head_dim, tokens_per_block;
+  int64_t query_row_stride, output_row_stride, block_stride, max_pages;
+  int64_t window;  // 0: none
+  double scale;
+};
+
+// Float compute (float, bfloat16 or half pages): keys in blocks of 16, whose 16 dot products are
+// summed lane by lane and then by lane_sums16, one vector of scores a block; exp by exp16; the
+// denominator in 16 lanes over the blocks, then their tree. Lanes past the last key are computed
+// from a repeated key and set to 0 before they are summed: no visible key's result depends on them.
+// NV: head_dim / 16 where the compiler knows it (the row's vectors then live in registers), 0 for
+// any other head dim (zero-padded to whole vectors).
+template <typename kv_t, int64_t NV>
+void run_float(const float* query, const kv_t* kv, const int64_t* token_index, const int64_t* positions,
+               const int64_t* block_table, float* output, const Layout& s) {
+  constexpr int64_t L = 16;
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = NV > 0 ? NV * L : s.head_dim;
+  const int64_t T = s.tokens_per_block, num_vectors = NV > 0 ? NV : (dim + L - 1) / L;
+  // A row's lanes [v L, v L + L): whole vectors where NV says so, else zero past the row's end
+  const auto row_vector = [dim](const auto* row, int64_t v) { return load<float>(row, v * L, NV > 0 ? (v + 1) * L : dim); };
+  const int64_t row = s.num_kv_heads * dim;  // one token's keys (or values) in a block
+  at::parallel_for(0, s.num_units * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<f16> q(group * num_vectors), acc(group * num_vectors), partial(group * L);
+    f16 keys[kMaxVectors];
+    std::vector<f16> weights;
+    std::vector<float> totals(group);
+    std::vector<const kv_t*> key_rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t unit = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
+      const int64_t position = positions[unit], token = token_index[unit];
+      const int64_t first = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+      const int64_t count = position - first + 1, num_blocks = (count + L - 1) / L;
+      const int64_t* pages = block_table + unit * s.max_pages;
+      const float* query_row = query + token * s.query_row_stride + kv_head * group * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t v = 0; v < num_vectors; ++v) {
+          q[g * num_vectors + v] = row_vector(query_row + g * dim, v) * static_cast<float>(s.scale);
+        }
+      }
+      weights.resize(group * num_blocks);  // [group, block]: 16 keys' scores, then weights
+      // Each key's row, page by page (no division per key)
+      key_rows.resize(count);
+      for (int64_t j = 0, page = first / T, slot = first % T; j < count; ++j) {
+        key_rows[j] = kv + pages[page] * s.block_stride + slot * row + kv_head * dim;
+        if (++slot == T) slot = 0, ++page;
+      }
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        for (int64_t jj = 0; jj < L; ++jj) {
+          const kv_t* k = key_rows[std::min(b * L + jj, count - 1)];
+          for (int64_t v = 0; v < num_vectors; ++v) keys[v] = row_vector(k, v);
+          for (int64_t g = 0; g < group; ++g) {
+            const f16* qg = q.data() + g * num_vectors;
+            f16 sum = qg[0] * keys[0];
+            for (int64_t v = 1; v < num_vectors; ++v) sum += qg[v] * keys[v];
+            partial[g * L + jj] = sum;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) weights[g * num_blocks + b] = lane_sums16(partial.data() + g * L);
+      }
+      const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      for (int64_t g = 0; g < group; ++g) {
+        f16* scores = weights.data() + g * num_blocks;
+        f16 maximum = scores[0];  // lanes past the last key repeat it: never above the maximum
+        for (int64_t b = 1; b < num_blocks; ++b) maximum = scores[b] > maximum ? scores[b] : maximum;
+        float row_max = maximum[0];
+        for (int64_t l = 1; l < L; ++l) row_max = std::max(row_max, maximum[l]);
+        f16 denominator = {};
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const f16 value = exp16(scores[b] - row_max);
+          scores[b] = lane + static_cast<int32_t>(b * L) < static_cast<int32_t>(count) ? value : f16{};
+          denominator += scores[b];
+        }
+        totals[g] = lane_sum<float>(denominator);
+      }
+      // P @ V, key by key; then divided by the denominator (its lanes summed by the tree).
+      std::fill(acc.begin(), acc.end(), f16{});
+      const float* weight = reinterpret_cast<const float*>(weights.data());
+      const int64_t weight_stride = num_blocks * L;
+      for (int64_t j = 0; j < count; ++j) {
+        const kv_t* v_row = key_rows[j] + T * row;
+        for (int64_t v = 0; v < num_vectors; ++v) keys[v] = row_vector(v_row, v);
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = weight[g * weight_stride + j];
+          f16* out = acc.data() + g * num_vectors;
+          for (int64_t v = 0; v < num_vectors; ++v) out[v] += w * keys[v];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* output_row = output + token * s.output_row_stride + (kv_head * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) output_row[d] = acc[g * num_vectors + d / L][d % L] / totals[g];
+      }
+    }
+  });
+}
+
+template <typename kv_t>
+void dispatch_float(const float* query, const kv_t* kv, const int64_t* token_index, const int64_t* positions,
+                    const int64_t* block_table, float* output, const Layout& s) {
+  switch (s.head_dim) {
+    case 64: return run_float<kv_t, 4>(query, kv, token_index, positions, block_table, output, s);
+    case 128: return run_float<kv_t, 8>(query, kv, token_index, positions, block_table, output, s);
+    case 256: return run_float<kv_t, 16>(query, kv, token_index, positions, block_table, output, s);
+    default: return run_float<kv_t, 0>(query, kv, token_index, positions, block_table, output, s);
+  }
+}
+
+template <typename acc_t, typename kv_t>
+void run(const acc_t* query, const kv_t* kv, const int64_t* token_index, const int64_t* positions,
+         const int64_t* block_table, acc_t* output, const Layout& s) {
+  using vec = typename Vec<acc_t>::type;
+  constexpr int64_t L = kLanes<acc_t>;
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim, T = s.tokens_per_block;
+  const int64_t num_vectors = (dim + L - 1) / L;
+  const int64_t row = s.num_kv_heads * dim;  // one token's keys (or values) in a block
+  at::parallel_for(0, s.num_units * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vec> q(group * num_vectors), acc(group * num_vectors), keys(num_vectors);
+    std::vector<acc_t> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t unit = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
+      const int64_t position = positions[unit], token = token_index[unit];
+      const int64_t first = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+      const int64_t count = position - first + 1;
+      const int64_t* pages = block_table + unit * s.max_pages;
+      const acc_t* query_row = query + token * s.query_row_stride + kv_head * group * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t v = 0; v < num_vectors; ++v) {
+          q[g * num_vectors + v] = load<acc_t>(query_row + g * dim, v * L, dim) * static_cast<acc_t>(s.scale);
+        }
+      }
+      scores.resize(group * count);
+      // Scores: each (head, key) a dot product, lane by lane then a tree over the lanes.
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t key = first + j;
+        const kv_t* k = kv + pages[key / T] * s.block_stride + (key % T) * row + kv_head * dim;
+        for (int64_t v = 0; v < num_vectors; ++v) keys[v] = load<acc_t>(k, v * L, dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const vec* qg = q.data() + g * num_vectors;
+          vec sum = qg[0] * keys[0];
+          for (int64_t v = 1; v < num_vectors; ++v) sum += qg[v] * keys[v];
+          scores[g * count + j] = lane_sum<acc_t>(sum);
+        }
+      }
+      // Softmax weights, key by key.
+      for (int64_t g = 0; g < group; ++g) {
+        acc_t* weights = scores.data() + g * count;
+        acc_t maximum = -std::numeric_limits<acc_t>::infinity();
+        for (int64_t j = 0; j < count; ++j) maximum = std::max(maximum, weights[j]);
+        acc_t denominator = 0;
+        for (int64_t j = 0; j < count; ++j) {
+          weights[j] = std::exp(weights[j] - maximum);
+          denominator += weights[j];
+        }
+        for (int64_t j = 0; j < count; ++j) weights[j] /= denominator;
+      }
+      // P @ V, key by key.
+      std::fill(acc.begin(), acc.end(), vec{});
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t key = first + j;
+        const kv_t* v_row = kv + pages[key / T] * s.block_stride + (T + key % T) * row + kv_head * dim;
+        for (int64_t v = 0; v < num_vectors; ++v) keys[v] = load<acc_t>(v_row, v * L, dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const acc_t weight = scores[g * count + j];
+          vec* out = acc.data() + g * num_vectors;
+          for (int64_t v = 0; v < num_vectors; ++v) out[v] += weight * keys[v];
+        }
+      }
+      acc_t* output_row = output + token * s.output_row_stride + kv_head * group * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t d = 0; d < dim; ++d) output_row[g * dim + d] = acc[g * num_vectors + d / L][d % L];
+      }
+    }
+  });
+}
+
+void decode_attention(const at::Tensor& query, const at::Tensor& kv_layer, const at::Tensor& token_index,
+                      const at::Tensor& positions, const at::Tensor& block_table, double scale,
+                      int64_t window, at::Tensor& output) {
+  TORCH_CHECK(query.dim() == 3 && output.dim() == 3 && kv_layer.dim() == 5, "query [N, H, D], output [N, H, D], kv_layer [blocks, 2, T, Hkv, D]");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
+  TORCH_CHECK(output.stride(2) == 1 && output.stride(1) == output.size(2), "output rows must be contiguous");
+  TORCH_CHECK(output.scalar_type() == query.scalar_type() && output.size(1) == query.size(1) && output.size(2) == query.size(2), "output must match query");
+  const int64_t T = kv_layer.size(2), num_kv_heads = kv_layer.size(3), dim = kv_layer.size(4);
+  TORCH_CHECK(kv_layer.stride(4) == 1 && kv_layer.stride(3) == dim && kv_layer.stride(2) == num_kv_heads * dim && kv_layer.stride(1) == T * num_kv_heads * dim, "kv_layer's blocks must be contiguous");
+  TORCH_CHECK(query.size(2) == dim && query.size(1) % num_kv_heads == 0, "query heads must be a multiple of kv heads of the same dim");
+  for (const at::Tensor* index : {&token_index, &positions, &block_table}) {
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous(), "index tensors must be contiguous int64");
+  }
+  const int64_t num_units = token_index.size(0);
+  TORCH_CHECK(positions.size(0) == num_units && block_table.dim() == 2 && block_table.size(0) == num_units, "one position and one block-table row per token");
+  Layout layout{num_units, query.size(1), num_kv_heads, dim, T, query.stride(0), output.stride(0),
+                kv_layer.stride(0), block_table.size(1), window, scale};
+  if (num_units == 0) return;
+  const int64_t* tokens = token_index.data_ptr<int64_t>();
+  const int64_t* position_ptr = positions.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t num_rows = std::min(query.size(0), output.size(0));
+  for (int64_t unit = 0; unit < num_units; ++unit) {
+    TORCH_CHECK(0 <= tokens[unit] && tokens[unit] < num_rows, "token index ", tokens[unit], " out of range");
+    TORCH_CHECK(0 <= position_ptr[unit] && position_ptr[unit] < layout.max_pages * T, "position ", position_ptr[unit], " past its block-table row");
+    const int64_t last_page = position_ptr[unit] / T;
+    for (int64_t page = 0; page <= last_page; ++page) {
+      const int64_t block = table[unit * layout.max_pages + page];
+      TORCH_CHECK(0 <= block && block < kv_layer.size(0), "block id ", block, " out of the pool");
+    }
+  }
+  TORCH_CHECK(dim <= kMaxVectors * 16, "head dim ", dim, " above the decode kernel's ", kMaxVectors * 16);
+  const auto kv_type = kv_layer.scalar_type();
+  if (query.scalar_type() == at::kFloat && kv_type == at::kFloat) {
+    dispatch_float(query.data_ptr<float>(), kv_layer.data_ptr<float>(), tokens, position_ptr, table, output.data_ptr<float>(), layout);
+  } else if (query.scalar_type() == at::kFloat && kv_type == at::kBFloat16) {
+    dispatch_float(query.data_ptr<float>(), kv_layer.data_ptr<c10::BFloat16>(), tokens, position_ptr, table, output.data_ptr<float>(), layout);
+  } else if (query.scalar_type() == at::kFloat && kv_type == at::kHalf) {
+    dispatch_float(query.data_ptr<float>(), kv_layer.data_ptr<c10::Half>(), tokens, position_ptr, table, output.data_ptr<float>(), layout);
+  } else if (query.scalar_type() == at::kDouble && kv_type == at::kDouble) {
+    run(query.data_ptr<double>(), kv_layer.data_ptr<double>(), tokens, position_ptr, table, output.data_ptr<double>(), layout);
+  } else {
+    TORCH_CHECK(false, "no decode kernel for query ", query.scalar_type(), " and kv ", kv_type);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(beamsplit, m) {
+  m.def("decode_attention(Tensor query, Tensor kv_layer, Tensor token_index, Tensor positions, Tensor block_table, float scale, int window, Tensor(a!) output) -> ()");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+}

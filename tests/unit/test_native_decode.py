@@ -1,0 +1,135 @@
+"""The compiled decode kernel (engine/native/decode_attention.cpp, issue 29): the attention the
+torch form computes, a token's bits whatever else is in the call and however many threads run
+it, bad layouts refused by name, and a build that falls back instead of failing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import native_kernels
+from engine.attention import paged_attention, prepare_attention
+from engine.models.q8_embedding import same_bits
+
+pytestmark = pytest.mark.skipif(native_kernels.decode_kernel() is None, reason="no C++ compiler here")
+
+Seq = tuple[list[int], int, int]
+
+
+def rows(
+    seqs: list[Seq],
+    groups: list[int],
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    native: bool,
+    window: int | None,
+) -> torch.Tensor:
+    metadata = prepare_attention(
+        seqs, kv_layer.shape[2], "cpu", [True] * len(seqs), groups, (window,) if window else (), native
+    )
+    assert (metadata.invariant is not None) and ((metadata.invariant.native is not None) == native)
+    return paged_attention(query, kv_layer, metadata, 0.125, window)
+
+
+def batch(tokens_per_block: int) -> tuple[list[Seq], list[int]]:
+    """A request of 4 beams at position 300 sharing their prompt pages, one at 40 across a page
+    boundary, one at position 0, one whose last page is its first key of the page."""
+    shared = list(range(1, 300 // tokens_per_block + 1))
+    beams = [(shared + [40 + beam], 300, 1) for beam in range(4)]
+    last = 2 * tokens_per_block
+    return beams + [
+        ([30, 31, 32][: 40 // tokens_per_block + 1], 40, 1),
+        ([35], 0, 1),
+        ([36, 37, 38], last, 1),
+    ], [4, 4, 4, 4, 1, 1, 1]
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 128, 256])
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)],
+)
+def test_the_kernel_computes_the_torch_forms_attention(
+    head_dim: int, window: int | None, dtype: torch.dtype, tolerance: float
+) -> None:
+    """Against engine/invariant_decode.py (every head dim path: 64, 128 and 256 are whole vectors the
+    compiler knows, 8 and 80 the zero-padded general path), GQA 9/3, pages of 32."""
+    generator = torch.Generator().manual_seed(head_dim)
+    seqs, groups = batch(32)
+    kv_layer = torch.randn(50, 2, 32, 3, head_dim, generator=generator).to(dtype)
+    query = torch.randn(len(seqs), 9, head_dim, generator=generator).to(dtype)
+    expected = rows(seqs, groups, query, kv_layer, False, window)
+    got = rows(seqs, groups, query, kv_layer, True, window)
+    torch.testing.assert_close(got.double(), expected.double(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_tokens_bits_do_not_depend_on_the_call_or_the_threads(dtype: torch.dtype) -> None:
+    """Each token alone, in the whole batch, in the batch reversed, at 1 and 2 threads: the same bits."""
+    generator = torch.Generator().manual_seed(3)
+    seqs, groups = batch(16)
+    kv_layer = torch.randn(60, 2, 16, 2, 64, generator=generator).to(dtype)
+    query = torch.randn(len(seqs), 8, 64, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = rows(seqs, groups, query, kv_layer, True, None)
+        reverse = list(reversed(range(len(seqs))))
+        reversed_rows = rows(
+            [seqs[i] for i in reverse], [1] * len(seqs), query[reverse], kv_layer, True, None
+        )
+        torch.set_num_threads(1)
+        for index, seq in enumerate(seqs):
+            alone = rows([seq], [1], query[index : index + 1], kv_layer, True, None)
+            assert same_bits(alone, together[index : index + 1]), index
+            assert same_bits(alone, reversed_rows[len(seqs) - 1 - index : len(seqs) - index]), index
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_layouts_are_refused_by_name() -> None:
+    kernel = native_kernels.decode_kernel()
+    assert kernel is not None
+    kv_layer = torch.randn(4, 2, 16, 2, 64)
+    query, output = torch.randn(3, 4, 64), torch.empty(3, 4, 64)
+    token_index, positions = torch.tensor([0, 1]), torch.tensor([5, 20])
+    table = torch.tensor([[1, 2], [3, 0]])
+    kernel(query, kv_layer, token_index, positions, table, 0.125, 0, output)  # a valid call
+    cases = [
+        (
+            (query, kv_layer, token_index, positions, torch.tensor([[1, 2], [3, 9]])),
+            "block id 9 out of the pool",
+        ),
+        (
+            (query, kv_layer, token_index, torch.tensor([5, 32]), table),
+            "position 32 past its block-table row",
+        ),
+        ((query, kv_layer, torch.tensor([0, 3]), positions, table), "token index 3 out of range"),
+        ((query.to(torch.float64), kv_layer, token_index, positions, table), "output must match query"),
+        (
+            (torch.randn(3, 64, 4).transpose(1, 2), kv_layer, token_index, positions, table),
+            "query rows must be contiguous",
+        ),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            kernel(*args, 0.125, 0, output)
+
+
+def test_a_build_is_cached_and_a_missing_compiler_is_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library lands in the cache folder once (a second load does not rebuild it); with no
+    compiler `_build` raises a reason, which decode_kernel logs before the engine falls back."""
+    monkeypatch.setenv(native_kernels.CACHE_ENV, str(tmp_path))
+    built = native_kernels._build(native_kernels.SOURCE)
+    assert built.parent.parent == tmp_path and built.exists()
+    stamp = built.stat().st_mtime_ns
+    assert native_kernels._build(native_kernels.SOURCE) == built and built.stat().st_mtime_ns == stamp
+    assert [path.name for path in built.parent.iterdir()] == [built.name]  # no partial files left
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises((OSError, RuntimeError)):
+        native_kernels._build(native_kernels.SOURCE)
