@@ -205,7 +205,29 @@ void run_float(const float* query, const kv_t* kv, const int64_t* token_index, c
       std::fill(acc.begin(), acc.end(), f16{});
       const float* weight = reinterpret_cast<const float*>(weights.data());
       const int64_t weight_stride = num_blocks * L;
-      for (int64_t j = 0; j < count; ++j) {
+      // Four keys' values at a time where the compiler knows the head dim (a head's sums then
+      // stay in registers over the four); each sum still adds key after key.
+      int64_t j = 0;
+      if constexpr (NV > 0) {
+        constexpr int64_t K = 4;
+        for (; j + K <= count; j += K) {
+          f16 values[K][NV];
+          for (int64_t k = 0; k < K; ++k) {
+            for (int64_t v = 0; v < NV; ++v) values[k][v] = row_vector(key_rows[j + k] + T * row, v);
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const float* w = weight + g * weight_stride + j;
+            f16* out = acc.data() + g * NV;
+            f16 sums[NV];
+            for (int64_t v = 0; v < NV; ++v) sums[v] = out[v];
+            for (int64_t k = 0; k < K; ++k) {
+              for (int64_t v = 0; v < NV; ++v) sums[v] += w[k] * values[k][v];
+            }
+            for (int64_t v = 0; v < NV; ++v) out[v] = sums[v];
+          }
+        }
+      }
+      for (; j < count; ++j) {
         const kv_t* v_row = key_rows[j] + T * row;
         for (int64_t v = 0; v < num_vectors; ++v) keys[v] = row_vector(v_row, v);
         for (int64_t g = 0; g < group; ++g) {
