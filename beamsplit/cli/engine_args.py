@@ -82,13 +82,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
         "invariance)",
     )
     group.add_argument(
-        "--native-decode",
+        "--native-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="(default: on) with --batch-invariant on a CPU, decode attention runs one compiled call a layer, "
-        "built once per machine with the host's g++ into ~/.cache/beamsplit/kernels (BEAMSPLIT_KERNEL_CACHE "
-        "moves it); --no-native-decode, or a host with no compiler, runs it as torch ops: slower (a third "
-        "of a 16-request decode step of the 135M model), kept for comparison",
+        help="(default: on) on a CPU, decode attention (with --batch-invariant) and RMSNorm run one compiled "
+        "call each, built once per machine with the host's g++ into ~/.cache/beamsplit/kernels "
+        "(BEAMSPLIT_KERNEL_CACHE moves it); --no-native-kernels, or a host with no compiler, runs them as "
+        "torch ops: slower (decode attention was a third of a 16-request step of the 135M model), kept "
+        "for comparison",
     )
     group.add_argument(
         "--sliding-window-kv",
@@ -128,7 +129,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         batch_invariant=args.batch_invariant,
-        native_decode=args.native_decode,
+        native_kernels=args.native_kernels,
         cache=CacheConfig(
             tokens_per_block=args.tokens_per_block,
             num_blocks=CacheConfig.num_blocks if args.num_blocks is None else args.num_blocks,

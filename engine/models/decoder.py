@@ -28,14 +28,30 @@ from engine.models.moe import SparseMoeBlock
 from engine.models.q8_embedding import embedding_dtype
 from engine.models.traits import GELU_TANH, AttentionKind
 
+# Dtypes whose RMSNorm may run the compiled kernel (float64 keeps torch's ops: its parity with
+# transformers is held to 1e-12, and the kernel's mean square sums in another order).
+NATIVE_NORM_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class RMSNorm(nn.Module):
+    # torch.ops.beamsplit.rms_norm where the engine loaded it (use_native_norms): one call for the
+    # forward below, the mean square summed in a fixed order per row (engine/native/kernels.cpp).
+    native: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if (
+            self.native is not None
+            and hidden.dtype in NATIVE_NORM_DTYPES
+            and hidden.dtype == self.weight.dtype
+        ):
+            # Whatever the layout (a lone row's view of a fused projection is contiguous, a batch's
+            # is not): the path must not depend on the batch.
+            return self.native(hidden.contiguous(), self.weight, self.eps)
         # Normalised in float32 whatever the dtype, as the reference does; float64 included.
         input_dtype = hidden.dtype
         hidden32 = hidden.to(torch.float32)
@@ -56,6 +72,15 @@ class OffsetRMSNorm(nn.Module):
         hidden32 = hidden.to(torch.float32)
         normalised = hidden32 * torch.rsqrt(hidden32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normalised * (1.0 + self.weight.to(torch.float32))).to(hidden.dtype)
+
+
+def use_native_norms(
+    model: nn.Module, kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+) -> None:
+    """Every RMSNorm of `model` runs `kernel` (engine/native_kernels.norm_kernel) from now on."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.native = kernel
 
 
 def make_norm(config: ModelConfig, width: int) -> nn.Module:

@@ -1,6 +1,6 @@
-"""The compiled decode kernel (engine/native/decode_attention.cpp, issue 29): the attention the
-torch form computes, a token's bits whatever else is in the call and however many threads run
-it, bad layouts refused by name, and a build that falls back instead of failing."""
+"""The compiled kernels (engine/native/kernels.cpp, issue 29): decode attention as the torch form
+computes it, a token's bits whatever else is in the call and however many threads run it, bad
+layouts refused by name, RMSNorm row by row, and a build that falls back instead of failing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from engine import native_kernels
 from engine.attention import paged_attention, prepare_attention
+from engine.models.decoder import RMSNorm, use_native_norms
 from engine.models.q8_embedding import same_bits
 
 pytestmark = pytest.mark.skipif(native_kernels.decode_kernel() is None, reason="no C++ compiler here")
@@ -133,3 +134,33 @@ def test_a_build_is_cached_and_a_missing_compiler_is_a_reason(
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises((OSError, RuntimeError)):
         native_kernels._build(native_kernels.SOURCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_are_their_own_and_the_torch_forms(dtype: torch.dtype) -> None:
+    """The compiled RMSNorm: within an ulp or two of the torch form, each row's bits alone and
+    among 63 others, and in a non-contiguous view (a batch's q of a fused projection, where a lone
+    row's view is contiguous); float64 keeps the torch form."""
+    kernel = native_kernels.norm_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(7)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=generator)
+    norm = norm.to(dtype)
+    hidden = (torch.randn(64, 576, generator=generator) * 3).to(dtype)
+    expected = norm(hidden)
+    use_native_norms(norm, kernel)
+    got = norm(hidden)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=1e-5)
+    fused = torch.cat((hidden, torch.zeros_like(hidden)), dim=1)  # [64, 2 x 576]: rows 1152 apart
+    assert not fused[:, :576].is_contiguous() and fused[:1, :576].is_contiguous()
+    assert same_bits(norm(fused[:, :576]), got)
+    for index in (0, 17, 63):
+        assert same_bits(norm(fused[index : index + 1, :576]), got[index : index + 1])
+    calls: list[int] = []
+    norm.native = lambda *args: calls.append(1) or kernel(*args)
+    norm.double()(hidden.double())
+    assert calls == []
+    norm.to(dtype)(hidden)
+    assert calls == [1]

@@ -5,10 +5,12 @@
 // fixed pairwise tree), the softmax denominator and P @ V key by key from the window's first key to
 // the token's position. Nothing in it depends on the other tokens of the call, on the thread that
 // runs it or on the number of threads: its bits are those of the token computed alone.
-// engine/native_kernels.py builds and loads this file; engine/invariant_attention.py calls it.
+// engine/native_kernels.py builds and loads this file; engine/invariant_attention.py calls it, and
+// engine/models/decoder.py's RMSNorm calls rms_norm below.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -369,9 +371,55 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_layer, const
   }
 }
 
+// RMSNorm over the last axis, as engine/models/decoder.py's RMSNorm computes it: the row in
+// float32, its mean square (16 lanes over the row, then lane_sum's tree), times 1 / sqrt(mean +
+// eps), rounded to the row's dtype, then times the weight in that dtype. A row's bits are its own.
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* input, const scalar_t* weight, scalar_t* output, int64_t num_rows,
+                   int64_t width, double eps) {
+  constexpr int64_t L = 16;
+  at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* row = input + r * width;
+      f16 squares = {};
+      for (int64_t d = 0; d < width; d += L) {
+        const f16 x = load<float>(row, d, width);
+        squares += x * x;
+      }
+      const float mean = lane_sum<float>(squares) / static_cast<float>(width);
+      const float scale = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+      scalar_t* out = output + r * width;
+      for (int64_t d = 0; d < width; ++d) {
+        const scalar_t normalised = static_cast<scalar_t>(widen(row[d]) * scale);
+        out[d] = static_cast<scalar_t>(widen(weight[d]) * widen(normalised));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(input.is_contiguous() && input.dim() >= 1, "input must be contiguous");
+  const int64_t width = input.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == width && weight.is_contiguous(), "weight must be [", width, "]");
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), "weight and input must share a dtype");
+  at::Tensor output = at::empty_like(input);
+  const int64_t num_rows = width == 0 ? 0 : input.numel() / width;
+  if (input.scalar_type() == at::kFloat) {
+    rms_norm_rows(input.data_ptr<float>(), weight.data_ptr<float>(), output.data_ptr<float>(), num_rows, width, eps);
+  } else if (input.scalar_type() == at::kBFloat16) {
+    rms_norm_rows(input.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                  output.data_ptr<c10::BFloat16>(), num_rows, width, eps);
+  } else {
+    TORCH_CHECK(false, "no rms_norm kernel for ", input.scalar_type());
+  }
+  return output;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(beamsplit, m) {
   m.def("decode_attention(Tensor query, Tensor kv_layer, Tensor token_index, Tensor positions, Tensor block_table, float scale, int window, Tensor(a!) output) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
 }
