@@ -68,7 +68,7 @@ class PromptSequence:
 
 @dataclass(frozen=True)
 class NativeDecode:
-    """Decode tokens for the compiled kernel (engine/native/decode_attention.cpp): each token's
+    """Decode tokens for the compiled kernel (engine/native/kernels.cpp): each token's
     row, position and pages; the kernel computes each (token, kv head) alone, in one order."""
 
     token_index: torch.Tensor  # [U] the token's row among the N new tokens

@@ -7,7 +7,7 @@ work with a fixed summation order per (token, kv head). RMSNorm, 6 ops a call (6
 is one call too, float32 and bfloat16 (float64 keeps torch's ops: its parity with transformers).
 
 How: the source is compiled with the host's C++ compiler against the installed torch's headers
-(about 5 s) into a cache folder keyed by the source, torch's version, the compiler and the CPU's
+(about 7 s) into a cache folder keyed by the source, torch's version, the compiler and the CPU's
 flags (`-march=native`), then loaded with `torch.ops.load_library`. Concurrent processes build
 into temporary files and rename, so they never load a half-written library. Where no compiler is
 found or the build fails, `decode_kernel()` and `norm_kernel()` return None with the reason logged
