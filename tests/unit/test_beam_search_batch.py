@@ -1,7 +1,9 @@
 """Beam searches of one step together (one `topk` for all requests) against one call each.
 
-The reference is the per-request step as it was before issue 29's perf5 branch, verbatim: the
-running scores added to [1, W, V], one `topk` over [1, W V]. Log-probs are drawn from a few
+The reference is the per-request step as it was before issue 29's perf5 branch: the running
+scores added to [1, W, V], one `topk` over [1, W V], then the advance of that one request (since
+stop 29 the advance runs R requests of one params together; transformers' own beams are
+tests/unit/test_beam_search_parity.py's reference). Log-probs are drawn from a few
 values, so the top 2W candidates tie often (inside a request and across beams): the batched call
 must pick the same candidates in the same order with the same scores, and leave every request in
 the same state.
@@ -143,3 +145,40 @@ def test_step_refuses_mixed_widths_and_bad_rows() -> None:
         step_beam_searches(
             [BeamSearch(BeamSearchParams(beam_width=2, max_new_tokens=3))], torch.zeros((2, VOCAB))
         )
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 1.7, -0.5])
+def test_one_params_advance_together_at_different_steps_as_alone(length_penalty: float) -> None:
+    """Requests of the same params advance in one batched call (advance_searches) though they are
+    at different steps (they joined at different times): each row's length normalisation and
+    heuristic use its own step, so every request ends in the state, and with the steps, it reaches
+    stepping alone."""
+    rng = random.Random(int(length_penalty * 10) + 3)
+    width, num_requests, max_new = 3, 6, 8
+    params = BeamSearchParams(
+        beam_width=width,
+        max_new_tokens=max_new,
+        length_penalty=length_penalty,
+        eos_token_id=7,
+        early_stopping="never",
+    )
+    pairs: list[tuple[BeamSearch, BeamSearch]] = []
+    for step in range(max_new + 2 * num_requests):
+        if step % 2 == 0 and len(pairs) < num_requests:  # a new request every other step
+            start_logprobs = sorted((-0.5 * rng.randrange(1, 6) for _ in range(2 * width)), reverse=True)
+            pairs.append(make_pair(params, rng.sample(range(VOCAB), 2 * width), start_logprobs))
+        live = [pair for pair in pairs if not pair[0].is_done]
+        if not live:
+            break
+        # eos (token 7) often among the best: hypotheses finish at different lengths
+        logprobs = tied_logprobs(rng, len(live) * width, VOCAB, 6)
+        logprobs[:, 7] = -0.25 * rng.randrange(1, 4)
+        together = step_beam_searches([pair[1] for pair in live], logprobs)
+        assert len({pair[1].num_steps for pair in live}) > 1 or len(live) == 1
+        for index, (alone, batched) in enumerate(live):
+            assert together[index] == alone.step(logprobs[index * width : (index + 1) * width])
+            assert all(
+                torch.equal(a, b) for a, b in zip(search_state(alone), search_state(batched), strict=True)
+            )
+    assert all(pair[0].is_done and pair[1].is_done for pair in pairs)
+    assert any(bool(pair[0].is_finished.any()) for pair in pairs)
