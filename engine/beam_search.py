@@ -195,7 +195,8 @@ def advance_searches(
     params = searches[0].params
     width, max_new = params.beam_width, params.max_new_tokens
     num_steps = [search.num_steps for search in searches]
-    num_generated = torch.tensor([[step + 1] for step in num_steps])  # [R, 1]
+    generated = [step + 1 for step in num_steps]
+    num_generated = torch.tensor(generated)[:, None]  # [R, 1]
     running_tokens = torch.cat([search.running_tokens for search in searches])  # [R, W, M]
     candidate_tokens = running_tokens.gather(
         1, parents[:, :, None].expand(-1, -1, max_new)
@@ -219,7 +220,7 @@ def advance_searches(
     finished_scores = torch.cat([search.finished_scores for search in searches])
     can_improve = torch.cat([search.can_improve for search in searches])  # [R, 1]
     just_finished = hits_stop & searches[0].top_width_mask[None, :]  # [R, K]
-    scores = top_logprobs / _row_powers(num_steps, 1, params.length_penalty)
+    scores = top_logprobs / _row_powers(generated, params.length_penalty)
     is_full = torch.all(is_finished, dim=-1, keepdim=True) & (params.early_stopping is True)
     scores += is_full.to(torch.float32) * MASK
     scores += (~can_improve).to(torch.float32) * MASK
@@ -242,12 +243,9 @@ def advance_searches(
     is_finished = torch.cat((is_finished, just_finished), dim=1).gather(1, order)
 
     # transformers' heuristic: can a running beam still beat the worst finished one?
-    if params.early_stopping == "never" and params.length_penalty > 0.0:
-        best_running = running_scores[:, :1] / _row_powers(
-            [max_new - 1] * len(searches), 1, params.length_penalty
-        )
-    else:
-        best_running = running_scores[:, :1] / _row_powers(num_steps, 1, params.length_penalty)
+    never = params.early_stopping == "never" and params.length_penalty > 0.0
+    best_lengths = [max_new] * len(searches) if never else generated
+    best_running = running_scores[:, :1] / _row_powers(best_lengths, params.length_penalty)
     worst_finished = torch.where(is_finished, torch.min(finished_scores, dim=1, keepdim=True)[0], MASK)
     can_improve = can_improve & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
 
@@ -271,10 +269,10 @@ def advance_searches(
     return steps
 
 
-def _row_powers(num_steps: Sequence[int], offset: int, exponent: float) -> torch.Tensor:
-    """[R, 1] float32: (step + offset) ** exponent per row, the Python float a search alone divides
-    by (a float32 tensor divided by a Python float divides by that float rounded to float32)."""
-    return torch.tensor([[(step + offset) ** exponent] for step in num_steps], dtype=torch.float32)
+def _row_powers(lengths: Sequence[int], exponent: float) -> torch.Tensor:
+    """[R, 1] float32: length ** exponent per row, the Python float a search alone divides by (a
+    float32 tensor divided by a Python float divides by that float rounded to float32)."""
+    return torch.tensor([[length**exponent] for length in lengths], dtype=torch.float32)
 
 
 def _hits_stop(
