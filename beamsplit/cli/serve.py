@@ -14,6 +14,7 @@ from types import MappingProxyType
 
 from beamsplit.cli import server_args
 from beamsplit.cli.help_format import DefaultsHelpFormatter
+from beamsplit.cli.thread_wait import BRIEF_SPIN_COUNT
 
 # role: (module with run(args), default port, its own flags, help)
 ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | None, str]] = (
@@ -50,10 +51,11 @@ ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | 
 # The choice beamsplit.cli.main makes (beamsplit/cli/thread_wait.py), told where a user looks for
 # what to change.
 WAIT_POLICY_NOTE = (
-    "torch's OpenMP threads: with --shares-cores, or when the host's CPUs are busy as the server "
-    "starts, they sleep at barriers (OMP_WAIT_POLICY=PASSIVE; spinning measured up to 60 times "
-    "slower on shared cores); otherwise libgomp's default (spin, then sleep) saves a wake-up per "
-    "parallel region. The start-up log says which; an OMP_WAIT_POLICY in the environment wins "
+    "torch's OpenMP threads: when the host's CPUs are busy as the server starts, they sleep at "
+    "barriers (OMP_WAIT_POLICY=PASSIVE; spinning measured up to 60 times slower on shared cores); "
+    f"with --shares-cores they spin briefly (GOMP_SPINCOUNT={BRIEF_SPIN_COUNT}), since the worker computes in "
+    "turns; otherwise libgomp's default (spin, then sleep) saves a wake-up per parallel region. "
+    "The start-up log says which; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins "
     "(docs/service.md)"
 )
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from beamsplit.cli import engine_args, security_args
+from beamsplit.server.core_lease import default_lease_path
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -109,9 +111,16 @@ def add_shares_cores_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shares-cores",
         action="store_true",
-        help="another busy process (the other worker of a one-host deployment) computes on this "
-        "host's cores: keep the torch thread layout that measured best there, not the faster one "
-        "for a worker alone on its cores (the one-host launcher sets it; docs/service.md)",
+        help="another engine process (the other worker of a one-host deployment) computes on this "
+        "host's cores: take turns with it, one engine step at a time, through --core-lease-file "
+        "(the one-host launcher sets it; docs/service.md)",
+    )
+    parser.add_argument(
+        "--core-lease-file",
+        type=Path,
+        default=default_lease_path(),
+        help="with --shares-cores: the lock file the processes sharing these cores take turns on "
+        "(default: %(default)s; the one-host launcher gives each deployment its own)",
     )
 
 

@@ -11,11 +11,15 @@ Which is faster depends on who else computes on the cores:
 - cores this process has to itself: sleeping costs a wake-up per region (docs/benchmarks.md: the
   same host idle, 32 beam-4 steps: 2.48 s spinning against 2.93 s sleeping).
 So an engine server (`serve aggregated|context|generation`, `generate`) keeps libgomp's default
-where its cores are its own: it was not told --shares-cores, and the host's CPUs were idle enough
-for its threads when it started (sampled from /proc/stat); otherwise PASSIVE. Other commands
-(launchers, benchmarks, status) set PASSIVE for themselves. A value the user put in the
-environment is always kept. A value chosen here carries CHOICE_VARIABLE beside it (the reason), so
-that a server a beamsplit command starts chooses again for itself instead of inheriting it.
+where its cores are its own: the host's CPUs were idle enough for its threads when it started
+(sampled from /proc/stat); otherwise PASSIVE. A worker told --shares-cores takes turns on the cores
+with the other worker (beamsplit/server/core_lease.py): it computes alone while it holds its turn,
+so its threads spin, but briefly (BRIEF_SPIN_COUNT rounds, ~0.1 ms), since the cores go to the
+other worker when its step ends; sleeping at once there made a beam-4 decode step 1.5x slower on a
+2-core VM (docs/service.md). Other commands (launchers, benchmarks, status) set PASSIVE for
+themselves. A value the user put in the environment (either variable) is always kept. A value
+chosen here carries CHOICE_VARIABLE beside it (the reason), so that a server a beamsplit command
+starts chooses again for itself instead of inheriting it.
 
 libgomp reads the variable once, when torch's import loads it, so this runs before any import of
 torch (`beamsplit.cli.main`).
@@ -29,7 +33,10 @@ from collections.abc import Callable, MutableMapping, Sequence
 
 WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
 CHOICE_VARIABLE = "BEAMSPLIT_OMP_WAIT_CHOICE"  # why beamsplit chose the policy (absent: the user's)
+SPIN_COUNT_VARIABLE = "GOMP_SPINCOUNT"  # rounds a waiting thread spins before it sleeps
 PASSIVE = "PASSIVE"
+BRIEF_SPIN = "brief spin"  # no OMP_WAIT_POLICY, GOMP_SPINCOUNT=BRIEF_SPIN_COUNT
+BRIEF_SPIN_COUNT = 10000  # libgomp counts ~100,000 rounds a millisecond
 ENGINE_COMMANDS = (("serve", "aggregated"), ("serve", "context"), ("serve", "generation"), ("generate",))
 IDLE_SAMPLE_S = 0.2
 # A CPU counts as free for a thread when the host's idle CPUs, sampled over IDLE_SAMPLE_S, reach
@@ -68,12 +75,12 @@ def engine_threads(environ: MutableMapping[str, str]) -> int:
 def choose_wait_policy(
     argv: Sequence[str], environ: MutableMapping[str, str], measure_idle: Callable[[], float] = idle_cpus
 ) -> tuple[str | None, str]:
-    """(policy, why): None keeps libgomp's default (spin, then sleep)."""
+    """(policy, why): PASSIVE, BRIEF_SPIN, or None for libgomp's default (spin, then sleep)."""
     words = [word for word in argv if not word.startswith("-")]
     if not any(tuple(words[: len(command)]) == command for command in ENGINE_COMMANDS):
         return PASSIVE, "not an engine server"
     if "--shares-cores" in argv:
-        return PASSIVE, "--shares-cores"
+        return BRIEF_SPIN, "--shares-cores: turns on the cores"
     threads, idle = engine_threads(environ), measure_idle()
     if idle < threads - IDLE_SLACK_CPUS:
         return PASSIVE, f"{idle:.1f} CPUs idle at start-up for {threads} threads"
@@ -87,14 +94,17 @@ def apply_wait_policy(
     measure_idle: Callable[[], float] = idle_cpus,
 ) -> str | None:
     """Chooses the policy for this process into `environ` unless the user set OMP_WAIT_POLICY or
-    torch (and so libgomp) is loaded already, when it would change nothing; returns the reason
-    recorded, else None."""
-    if is_torch_loaded or (WAIT_POLICY_VARIABLE in environ and CHOICE_VARIABLE not in environ):
+    GOMP_SPINCOUNT or torch (and so libgomp) is loaded already, when it would change nothing;
+    returns the reason recorded, else None."""
+    users = WAIT_POLICY_VARIABLE in environ or SPIN_COUNT_VARIABLE in environ
+    if is_torch_loaded or (users and CHOICE_VARIABLE not in environ):
         return None
     policy, why = choose_wait_policy(argv, environ, measure_idle)
-    if policy is None:
-        environ.pop(WAIT_POLICY_VARIABLE, None)
-    else:
+    environ.pop(WAIT_POLICY_VARIABLE, None)
+    environ.pop(SPIN_COUNT_VARIABLE, None)
+    if policy == BRIEF_SPIN:
+        environ[SPIN_COUNT_VARIABLE] = str(BRIEF_SPIN_COUNT)
+    elif policy is not None:
         environ[WAIT_POLICY_VARIABLE] = policy
     environ[CHOICE_VARIABLE] = why
     return why
@@ -103,5 +113,7 @@ def apply_wait_policy(
 def describe_wait_policy(environ: MutableMapping[str, str]) -> str:
     """One line for a server's start-up log: the policy in force and who chose it."""
     policy = environ.get(WAIT_POLICY_VARIABLE) or "libgomp's default (spin, then sleep)"
+    if SPIN_COUNT_VARIABLE in environ:
+        policy += f", {SPIN_COUNT_VARIABLE}={environ[SPIN_COUNT_VARIABLE]}"
     who = "from the environment" if CHOICE_VARIABLE not in environ else environ[CHOICE_VARIABLE]
     return f"OpenMP wait policy {policy} ({who})"

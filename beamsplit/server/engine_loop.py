@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, TypeVar
 
+from beamsplit.server.core_lease import CoreLease
 from engine.types import RequestOutput
 
 ResultT = TypeVar("ResultT")
@@ -62,6 +63,7 @@ class EngineLoop:
         step_delay_s: float = 0.0,
         run_in_caller: bool = False,
         on_thread_start: Callable[[], None] | None = None,
+        core_lease: CoreLease | None = None,
     ) -> None:
         """step_delay_s: a test hook (BEAMSPLIT_TEST_STEP_DELAY_S): sleep after each step.
         run_in_caller: the loop takes commands from now on, and the caller's thread runs it later
@@ -79,6 +81,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run_on_own_thread, name=name, daemon=True)
         self._runs_in_caller = run_in_caller
         self._on_thread_start = on_thread_start
+        self._core_lease = core_lease
 
     def start(self) -> None:
         """Runs the loop on a thread of its own."""
@@ -189,7 +192,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self._engine.step()
+            if self._core_lease is None:
+                outputs = self._engine.step()
+            else:
+                with self._core_lease.turn():
+                    outputs = self._engine.step()
         except Exception:
             # A failed step leaves no request we can vouch for: end every stream so clients get an
             # error now; each owner aborts its request, which frees the pages.

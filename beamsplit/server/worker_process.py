@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from beamsplit.cli.engine_args import describe_kv_pool, engine_config_from_args
+from beamsplit.server.core_lease import CoreLease
 from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import (
@@ -55,7 +56,7 @@ def start_worker_parts(role: str, args: argparse.Namespace) -> WorkerParts:
         engine_config_from_args(args),
         metrics,
         step_delay_s=hooks.step_delay_s,
-        shares_cores=args.shares_cores,
+        core_lease=CoreLease(args.core_lease_file) if args.shares_cores else None,
     )
     agent = start_transfer_agent(handle, args, hooks)
     return WorkerParts(role, args, tls, metrics, hooks, handle, agent, worker_info(handle))

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from beamsplit.server.core_lease import CoreLease
 from beamsplit.server.engine_loop import EngineLoop
 from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.metrics import ServerMetrics
@@ -54,13 +55,14 @@ def start_engine(
     queue_limits: QueueLimits | None = None,
     run_in_caller: bool = False,
     step_delay_s: float = 0.0,
-    shares_cores: bool = False,
+    core_lease: CoreLease | None = None,
 ) -> EngineHandle:
     """queue_limits: bounds on the scheduler's waiting queue (the aggregated server's queue).
     run_in_caller: the loop takes commands now, and the caller's thread (which loaded the model)
     runs it later with `handle.loop.run_here()`; otherwise it starts on a thread of its own.
-    step_delay_s: the test hook of that name (FaultHooks). shares_cores: another busy process (the
-    other worker of a one-host deployment) computes on the same cores; see `one_pool` below."""
+    step_delay_s: the test hook of that name (FaultHooks). core_lease: another engine process (the
+    other worker of a one-host deployment) computes on the same cores: each step waits for this
+    process's turn on them (core_lease.py)."""
     import torch
 
     from beamsplit.cli.thread_wait import describe_wait_policy
@@ -71,10 +73,9 @@ def start_engine(
     # torch's OpenMP pool belongs to the thread that calls into it. A loop on a thread of its own
     # gets the process's threads, and the main thread loads the model with one (no pool), so the
     # process holds one pool whose threads spin at its barriers: a decode step as fast as on the
-    # aggregated server, whose loop runs on the main thread. Workers sharing their cores keep
-    # the loading thread's pool too; with two pools libgomp spins less, which measured better
-    # with the other worker computing on the same cores (docs/service.md, "The engine thread").
-    one_pool = not run_in_caller and not shares_cores
+    # aggregated server, whose loop runs on the main thread. Workers sharing their cores do the
+    # same and take turns on them (docs/service.md, "The engine thread").
+    one_pool = not run_in_caller
     if one_pool:
         torch.set_num_threads(1)
     try:
@@ -91,6 +92,7 @@ def start_engine(
         step_delay_s=step_delay_s,
         run_in_caller=run_in_caller,
         on_thread_start=(lambda: torch.set_num_threads(num_threads)) if one_pool else None,
+        core_lease=core_lease,
     )
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
     if not run_in_caller:

@@ -134,7 +134,8 @@ def start(
         *arguments,
     ]
     if role in WORKER_ROLES:
-        argv.append("--shares-cores")  # separate hosts to the network, not to the CPU
+        # Separate hosts to the network, not to the CPU: the workers take turns on its cores.
+        argv += ["--shares-cores", "--core-lease-file", str(group.log_dir / "cores.lock")]
     return Server(group.start(name, namespace, argv, env), host, port, metrics_port)
 
 

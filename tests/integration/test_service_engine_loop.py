@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -147,14 +148,40 @@ def test_a_loop_run_in_its_caller_takes_commands_before_it_runs() -> None:
         EngineLoop(ScriptedEngine()).run_here()
 
 
-@pytest.mark.parametrize("shares_cores", [False, True])
-def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(shares_cores: bool) -> None:
-    """start_engine for a worker (loop on its own thread), alone on its cores: the loop thread
-    gets the process's torch threads and the thread that loaded the model keeps one, so the
-    process holds one OpenMP pool (two made libgomp's barriers slower and every decode step
-    with them). A worker sharing its cores keeps the process's threads on both."""
+def test_a_loop_with_a_core_lease_steps_only_in_its_turn(tmp_path: Path) -> None:
+    """Each step waits for the process's turn on the shared cores: while another holder has them,
+    commands still run (adds, aborts) but no step does; the step follows the release."""
+    from beamsplit.server.core_lease import CoreLease
+
+    other = CoreLease(tmp_path / "cores.lock")
+    engine = ScriptedEngine(num_steps=1)
+    loop = EngineLoop(engine, core_lease=CoreLease(tmp_path / "cores.lock"))
+    loop.start()
+    try:
+        with other.turn():
+            stream = loop.open_stream("r")
+            loop.call(lambda owned: owned.add("r"), timeout_s=5.0)  # commands need no turn
+            with pytest.raises(queue.Empty):
+                stream.get(timeout_s=0.3)  # the step waits for the turn
+            assert engine.remaining == {"r": 1}
+        output = stream.get(timeout_s=5.0)
+        assert output is not None and output.finished and not engine.remaining
+    finally:
+        loop.stop()
+        other.close()
+
+
+@pytest.mark.parametrize("takes_turns", [False, True])
+def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(
+    takes_turns: bool, tmp_path: Path
+) -> None:
+    """start_engine for a worker (loop on its own thread): the loop thread gets the process's
+    torch threads and the thread that loaded the model keeps one, so the process holds one
+    OpenMP pool (two made libgomp's barriers slower and every decode step with them), whether
+    the worker has its cores to itself or takes turns on them with another (a core lease)."""
     import torch
 
+    from beamsplit.server.core_lease import CoreLease
     from beamsplit.server.metrics import ServerMetrics
     from beamsplit.server.worker_setup import start_engine
     from engine import CacheConfig, EngineConfig
@@ -168,9 +195,10 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(share
     config = EngineConfig(
         model="tiny", dtype="float32", cache=CacheConfig(tokens_per_block=16, num_blocks=64)
     )
-    handle = start_engine(config, ServerMetrics("generation"), shares_cores=shares_cores)
+    lease = CoreLease(tmp_path / "cores.lock") if takes_turns else None
+    handle = start_engine(config, ServerMetrics("generation"), core_lease=lease)
     try:
-        assert torch.get_num_threads() == (num_threads if shares_cores else 1)
+        assert torch.get_num_threads() == 1
         assert handle.loop.call(lambda engine: torch.get_num_threads(), timeout_s=30.0) == num_threads
         # Warmed up (checked and packed) before start_engine returns: on the loop thread alone
         # on its cores (LLMEngine(warm_up=False), then warm_up() there), else in the constructor.
@@ -185,12 +213,10 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(share
 def test_the_launcher_starts_workers_as_sharing_their_cores_unless_told_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A one-host launch gives the context and generation workers --shares-cores (they compute
-    side by side on the same cores); the coordinator and the aggregated server take no such
-    flag; a group whose workers never compute at once (bench service) leaves it off."""
+    """A one-host launch gives the context and generation workers --shares-cores (they take turns
+    on the same cores, through the group's lock file); the coordinator and the aggregated server
+    take no such flag; a group whose workers never compute at once (bench service) leaves it off."""
     import subprocess
-    from pathlib import Path
-
     from beamsplit.launch import launcher
 
     commands: dict[str, list[str]] = {}
@@ -206,6 +232,11 @@ def test_the_launcher_starts_workers_as_sharing_their_cores_unless_told_otherwis
     for role in ("context", "generation", "aggregated", "coordinator"):
         group.start(role, role, [])
     assert "--shares-cores" in commands["context"] and "--shares-cores" in commands["generation"]
+    # Both workers take turns on one lock file, the group's own (not the host's default).
+    lease_files = {
+        commands[role][commands[role].index("--core-lease-file") + 1] for role in launcher.WORKER_ROLES
+    }
+    assert lease_files == {str(log_dir / "cores.lock")}
     assert "--shares-cores" not in commands["aggregated"]
     assert "--shares-cores" not in commands["coordinator"]
     alone = launcher.ProcessGroup(log_dir, workers_share_cores=False)

@@ -1,6 +1,7 @@
 """The command line's OpenMP wait policy (beamsplit/cli/thread_wait.py): PASSIVE where cores are
-shared, libgomp's default where an engine server has its cores to itself, the user's value always
-kept; chosen before torch is imported so that libgomp reads it."""
+busy, a brief spin for workers that take turns on shared cores, libgomp's default where an engine
+server has its cores to itself, the user's value always kept; chosen before torch is imported so
+that libgomp reads it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import subprocess
 import sys
 
 from beamsplit.cli.thread_wait import (
+    BRIEF_SPIN,
+    BRIEF_SPIN_COUNT,
     CHOICE_VARIABLE,
+    SPIN_COUNT_VARIABLE,
     WAIT_POLICY_VARIABLE,
     apply_wait_policy,
     choose_wait_policy,
@@ -17,7 +21,7 @@ from beamsplit.cli.thread_wait import (
     idle_cpus,
 )
 
-# In a fresh interpreter: run `beamsplit ARGS --help` through main(), then report the variable and
+# In a fresh interpreter: run `beamsplit ARGS --help` through main(), then report the variables and
 # whether main() had imported torch (it must not have, or libgomp read the environment first).
 PROBE = """
 import os, sys
@@ -26,13 +30,15 @@ try:
     main(sys.argv[1:] + ["--help"])
 except SystemExit:
     pass
-print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
+print(os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules)
 """
 
 
 def run_probe(arguments: list[str], extra_env: dict[str, str]) -> str:
     env = {
-        key: value for key, value in os.environ.items() if key not in (WAIT_POLICY_VARIABLE, CHOICE_VARIABLE)
+        key: value
+        for key, value in os.environ.items()
+        if key not in (WAIT_POLICY_VARIABLE, SPIN_COUNT_VARIABLE, CHOICE_VARIABLE)
     }
     env.update(extra_env)
     result = subprocess.run(
@@ -57,7 +63,7 @@ def test_an_engine_server_spins_only_on_cores_of_its_own() -> None:
         raise AssertionError("sampled the CPUs for a worker that shares its cores")
 
     assert choose_wait_policy(["serve", "context", "--shares-cores"], two_threads, never) == (
-        "PASSIVE", "--shares-cores",
+        BRIEF_SPIN, "--shares-cores: turns on the cores",
     )  # fmt: skip
     # Launchers, benchmarks and tools: PASSIVE for themselves.
     for argv in (["demo"], ["bench", "peers"], ["status"], ["serve", "coordinator"]):
@@ -75,11 +81,24 @@ def test_a_chosen_policy_is_chosen_again_by_a_child_and_the_users_is_kept() -> N
     assert describe_wait_policy(child) == (
         "OpenMP wait policy libgomp's default (spin, then sleep) (2.0 CPUs idle at start-up for 2 threads)"
     )
-    # The user's value is never replaced.
+    # A worker that takes turns on shared cores spins briefly; a child of it chooses again.
+    worker = dict(environ, OMP_NUM_THREADS="2")
+    apply_wait_policy(["serve", "generation", "--shares-cores"], worker, is_torch_loaded=False)
+    assert WAIT_POLICY_VARIABLE not in worker and worker[SPIN_COUNT_VARIABLE] == str(BRIEF_SPIN_COUNT)
+    assert describe_wait_policy(worker) == (
+        "OpenMP wait policy libgomp's default (spin, then sleep), GOMP_SPINCOUNT=10000 "
+        "(--shares-cores: turns on the cores)"
+    )
+    apply_wait_policy(["serve", "aggregated"], worker, is_torch_loaded=False, measure_idle=lambda: 0.5)
+    assert worker[WAIT_POLICY_VARIABLE] == "PASSIVE" and SPIN_COUNT_VARIABLE not in worker
+    # The user's value is never replaced, whichever of the two variables it is.
     given = {WAIT_POLICY_VARIABLE: "ACTIVE"}
     assert apply_wait_policy(["serve", "context", "--shares-cores"], given, is_torch_loaded=False) is None
     assert given == {WAIT_POLICY_VARIABLE: "ACTIVE"}
     assert describe_wait_policy(given) == "OpenMP wait policy ACTIVE (from the environment)"
+    spins = {SPIN_COUNT_VARIABLE: "500"}
+    assert apply_wait_policy(["bench", "peers"], spins, is_torch_loaded=False) is None
+    assert spins == {SPIN_COUNT_VARIABLE: "500"}
     # Too late once torch (and libgomp) is loaded: nothing is set that would not take effect.
     late: dict[str, str] = {}
     assert apply_wait_policy(["demo"], late, is_torch_loaded=True) is None and late == {}
@@ -91,6 +110,6 @@ def test_idle_cpus_is_a_fraction_of_this_hosts_cpus() -> None:
 
 
 def test_command_line_chooses_it_before_torch_loads() -> None:
-    assert run_probe(["status"], {}) == "PASSIVE False"
-    assert run_probe(["serve", "context", "--shares-cores"], {}) == "PASSIVE False"
-    assert run_probe(["status"], {WAIT_POLICY_VARIABLE: "ACTIVE"}) == "ACTIVE False"
+    assert run_probe(["status"], {}) == "PASSIVE None False"
+    assert run_probe(["serve", "context", "--shares-cores"], {}) == "None 10000 False"
+    assert run_probe(["status"], {WAIT_POLICY_VARIABLE: "ACTIVE"}) == "ACTIVE None False"
