@@ -14,8 +14,8 @@ axis, always K long) it is safe, and one op instead of a tree (issue 29, stop 28
 Cost (issue 29): the step's index tensors are built once per step (`DecodePlan`, one per head
 layout and window, shared by every layer), so a layer runs about 35 tensor ops whatever the
 batch: one `index_select` gathers every item's keys and values, head-major, from the pool seen
-as rows of D; one batched matmul per bucket of R (all kv heads and items together) for the
-scores, one for P @ V; every element-wise step over all rows at once. Before, a layer of a lone
+as rows of D; batched matmuls per bucket of R (all kv heads and items together, in calls of a
+fixed ITEMS_PER_CALL items: items_bmm) for the scores, the same for P @ V; every element-wise step over all rows at once. Before, a layer of a lone
 beam-4 request ran about 400 (a matmul per kv head and bucket, and a gather, scatter and copy
 per bucket): 24 ms of the 135M model's 91 ms float32 decode step, about half that now
 (docs/benchmarks.md). An item's matmul reads its keys with a row stride of D instead of Hkv D:
@@ -44,6 +44,9 @@ import torch
 # beam's own, so each beam gathered and multiplied them apart; 1-page items gather least but
 # double the pairs, the partial outputs and the tree over items.
 PAGES_PER_ITEM = 2
+# Items of one batched matmul (items_bmm): a fixed count, so the BLAS's choice never depends on how
+# many items the step has.
+ITEMS_PER_CALL = 8
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,33 @@ def tree_sum(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     return tensor[0]
 
 
+def items_bmm(rows: torch.Tensor, items: torch.Tensor, out: torch.Tensor, transpose: bool) -> None:
+    """out [B, M, N] = rows [B, M, C] x items [B, C, N] (or x items [B, N, C] transposed, as a view),
+    in batched matmuls of exactly ITEMS_PER_CALL items, the last padded with zero items.
+
+    A BLAS picks its kernel and its split by the call's shape, the batch count included: measured
+    on an AMD EPYC (MKL, 2 threads), one item's bits changed with the number of items beside it
+    (a batch of one is a plain matrix product there, and 8-row items differed between 2 and 5),
+    while calls of one fixed count gave every item the same bits wherever it sat and whatever sat
+    beside it (tests/unit/test_invariant_decode.py)."""
+    num_items = rows.shape[0]
+    for first in range(0, num_items, ITEMS_PER_CALL):
+        last = min(first + ITEMS_PER_CALL, num_items)
+        call_rows, call_items = rows[first:last], items[first:last]
+        if last - first < ITEMS_PER_CALL:
+            call_rows, call_items = _zero_padded(call_rows), _zero_padded(call_items)
+            result = torch.bmm(call_rows, call_items.transpose(1, 2) if transpose else call_items)
+            out[first:last] = result[: last - first]
+        else:
+            torch.bmm(call_rows, call_items.transpose(1, 2) if transpose else call_items, out=out[first:last])
+
+
+def _zero_padded(batch: torch.Tensor) -> torch.Tensor:
+    """batch [b, *] contiguous, zero items appended up to ITEMS_PER_CALL."""
+    padding = batch.new_zeros((ITEMS_PER_CALL - batch.shape[0], *batch.shape[1:]))
+    return torch.cat((batch, padding))
+
+
 def decode_attention(
     padded_query: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -340,8 +370,8 @@ def decode_attention(
         num_batch, num_bucket_rows = num_kv_heads * bucket.num_items, bucket.num_shared * group
         bucket_query = rows[offsets[0] : offsets[0] + num_batch * bucket.num_shared]
         bucket_scores, keys = bucket_views(bucket, offsets, scores, 0)
-        torch.bmm(
-            bucket_query.view(num_batch, num_bucket_rows, head_dim), keys.transpose(1, 2), out=bucket_scores
+        items_bmm(
+            bucket_query.view(num_batch, num_bucket_rows, head_dim), keys, bucket_scores, transpose=True
         )
     scores.masked_fill_(plan.hidden, float("-inf"))
     # The row maximum over a token's pairs (kv head, unit, g): exact in any order.
@@ -352,7 +382,7 @@ def decode_attention(
     for bucket, offsets in zip(part.buckets, plan.offsets, strict=True):
         bucket_weights, values = bucket_views(bucket, offsets, weights, 1)
         bucket_partial, _ = bucket_views(bucket, offsets, partial, 1)
-        torch.bmm(bucket_weights, values, out=bucket_partial)
+        items_bmm(bucket_weights, values, bucket_partial, transpose=False)
     # Numerator and denominator side by side [S, D + 1]: one tree over items sums both (the tree's
     # adds are element-wise, so each column gets the bits of a tree of its own).
     leaves = partial.new_zeros((math.prod(leaf_shape), head_dim + 1))

@@ -3,7 +3,7 @@
 Its one batched matmul per bucket reads every kv head's items head-major (keys a row stride of
 D apart); until issue 29 a matmul per kv head read them in the pool's page layout (Hkv D apart).
 These tests hold the facts that change relies on: the two give every item the same bits, on
-this host, for the decode shapes; a layer's plan is built once per step; the rows view reads
+this host, for the decode shapes, whatever the number of items in the call; a layer's plan is built once per step; the rows view reads
 the pool's own bytes.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.attention import paged_attention, prepare_attention
-from engine.invariant_decode import PAGES_PER_ITEM, kv_rows_view
+from engine.invariant_decode import PAGES_PER_ITEM, items_bmm, kv_rows_view
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -25,7 +25,9 @@ def test_head_major_items_equal_the_per_head_matmuls_of_the_page_layout(
 ) -> None:
     """scores [R G, D] x [D, K] and P @ V [R G, K] x [K, D] for n items of Hkv kv heads: one bmm
     over Hkv n head-major items gives each item the bits a bmm per kv head over the page layout
-    gives it, for every R of a beam request, 1 to 5 items and the GQA shapes of the models here."""
+    gives it, for every R of a beam request, 1 to 5 items and the GQA shapes of the models here,
+    and the bits it gets in a call of 1, 2 or all but one of the items (items_bmm: never a
+    batch of one, which took another kernel on an AMD EPYC)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -46,24 +48,39 @@ def test_head_major_items_equal_the_per_head_matmuls_of_the_page_layout(
                         num_kv_heads, num_items, size * group, keys_per_item, generator=generator
                     )
                     weights = weights.to(dtype)
-                    per_head_scores = torch.stack(
-                        [
-                            torch.bmm(rows[head], keys[:, :, head].transpose(1, 2))
-                            for head in range(num_kv_heads)
-                        ]
+                    per_head_scores = torch.empty(
+                        num_kv_heads, num_items, size * group, keys_per_item, dtype=dtype
                     )
-                    per_head_partial = torch.stack(
-                        [torch.bmm(weights[head], values[:, :, head]) for head in range(num_kv_heads)]
+                    per_head_partial = torch.empty(
+                        num_kv_heads, num_items, size * group, head_dim, dtype=dtype
                     )
+                    for head in range(num_kv_heads):
+                        items_bmm(rows[head], keys[:, :, head], per_head_scores[head], transpose=True)
+                        items_bmm(weights[head], values[:, :, head], per_head_partial[head], transpose=False)
                     batch = num_kv_heads * num_items
                     head_major_keys = keys.permute(2, 0, 1, 3).reshape(batch, keys_per_item, head_dim)
                     head_major_values = values.permute(2, 0, 1, 3).reshape(batch, keys_per_item, head_dim)
-                    scores = torch.bmm(
-                        rows.reshape(batch, size * group, head_dim), head_major_keys.transpose(1, 2)
+                    scores = torch.empty(batch, size * group, keys_per_item, dtype=dtype)
+                    partial = torch.empty(batch, size * group, head_dim, dtype=dtype)
+                    items_bmm(
+                        rows.reshape(batch, size * group, head_dim), head_major_keys, scores, transpose=True
                     )
-                    partial = torch.bmm(
-                        weights.reshape(batch, size * group, keys_per_item), head_major_values
-                    )
+                    weights_rows = weights.reshape(batch, size * group, keys_per_item)
+                    items_bmm(weights_rows, head_major_values, partial, transpose=False)
+                    # An item's bits do not depend on how many items share the call, one included.
+                    for count in {1, 2, batch - 1} & set(range(1, batch + 1)):
+                        alone = torch.empty(count, size * group, keys_per_item, dtype=dtype)
+                        items_bmm(rows.reshape(batch, size * group, head_dim)[-count:],
+                                  head_major_keys[-count:], alone, transpose=True)  # fmt: skip
+                        assert torch.equal(alone, scores[-count:]), (shape_of := (count, size, group))
+                        alone_partial = torch.empty(count, size * group, head_dim, dtype=dtype)
+                        items_bmm(
+                            weights_rows[-count:],
+                            head_major_values[-count:],
+                            alone_partial,
+                            transpose=False,
+                        )
+                        assert torch.equal(alone_partial, partial[-count:]), shape_of
                     shape = (num_kv_heads, group, head_dim, size, num_items)
                     assert torch.equal(scores.view(per_head_scores.shape), per_head_scores), shape
                     assert torch.equal(partial.view(per_head_partial.shape), per_head_partial), shape
