@@ -23,9 +23,9 @@ DTYPES = [torch.float32, torch.float64]
 def test_head_major_items_equal_the_per_head_matmuls_of_the_page_layout(
     dtype: torch.dtype, num_threads: int
 ) -> None:
-    """scores [R G, D] x [D, K] and P @ V [R G, K] x [K, D] for n items of Hkv kv heads: one bmm
-    over Hkv n head-major items gives each item the bits a bmm per kv head over the page layout
-    gives it, for every R of a beam request, 1 to 5 items and the GQA shapes of the models here,
+    """scores [R G, D] x [D, K] and P @ V [R G, K] x [K, D] for n items of Hkv kv heads: items_bmm
+    over Hkv n head-major items gives each item the bits items_bmm per kv head over the page
+    layout gives it (whose last call, padded, is a contiguous copy), for every R of a beam request, 1 to 5 items and the GQA shapes of the models here,
     and the bits it gets in a call of 1, 2 or all but one of the items (items_bmm: never a
     batch of one, which took another kernel on an AMD EPYC)."""
     previous = torch.get_num_threads()
