@@ -217,6 +217,7 @@ def test_the_launcher_starts_workers_as_sharing_their_cores_unless_told_otherwis
     on the same cores, through the group's lock file); the coordinator and the aggregated server
     take no such flag; a group whose workers never compute at once (bench service) leaves it off."""
     import subprocess
+
     from beamsplit.launch import launcher
 
     commands: dict[str, list[str]] = {}
