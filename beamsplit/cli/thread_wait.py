@@ -16,10 +16,11 @@ where its cores are its own: the host's CPUs were idle enough for its threads wh
 with the other worker (beamsplit/server/core_lease.py): it computes alone while it holds its turn,
 so its threads spin, but briefly (BRIEF_SPIN_COUNT rounds, ~0.1 ms), since the cores go to the
 other worker when its step ends; sleeping at once there made a greedy decode step 1.5x slower and
-a lone beam-4 request 1.2-1.4x slower on a 2-core VM (docs/service.md). Other commands (launchers, benchmarks, status) set PASSIVE for
-themselves. A value the user put in the environment (either variable) is always kept. A value
-chosen here carries CHOICE_VARIABLE beside it (the reason), so that a server a beamsplit command
-starts chooses again for itself instead of inheriting it.
+a lone beam-4 request 1.2-1.4x slower on a 2-core VM (docs/service.md). Other commands
+(launchers, benchmarks, status) set PASSIVE for themselves. A value the user put in the
+environment (either variable) is always kept. A value chosen here carries CHOICE_VARIABLE beside
+it (the reason), so that a server a beamsplit command starts chooses again for itself instead of
+inheriting it.
 
 libgomp reads the variable once, when torch's import loads it, so this runs before any import of
 torch (`beamsplit.cli.main`).
