@@ -12,12 +12,13 @@ under 16 or so changes bits with the axis length and the row count. Over an item
 axis, always K long) it is safe, and one op instead of a tree (issue 29, stop 28).
 
 Cost (issue 29): the step's index tensors are built once per step (`DecodePlan`, one per head
-layout and window, shared by every layer), so a layer runs about 35 tensor ops whatever the
-batch: one `index_select` gathers every item's keys and values, head-major, from the pool seen
-as rows of D; batched matmuls per bucket of R (all kv heads and items together, in calls of a
-fixed ITEMS_PER_CALL items: items_bmm) for the scores, the same for P @ V; every element-wise step over all rows at once. Before, a layer of a lone
-beam-4 request ran about 400 (a matmul per kv head and bucket, and a gather, scatter and copy
-per bucket): 24 ms of the 135M model's 91 ms float32 decode step, about half that now
+layout and window, shared by every layer), so a layer runs about 35 tensor ops and two matmuls
+per ITEMS_PER_CALL items: one `index_select` gathers every item's keys and values, head-major,
+from the pool seen as rows of D; batched matmuls per bucket of R (all kv heads and items
+together, in calls of a fixed ITEMS_PER_CALL items since stop 30: items_bmm) for the scores, the
+same for P @ V; every element-wise step over all rows at once. Before, a layer of a lone beam-4
+request ran about 400 (a matmul per kv head and bucket, and a gather, scatter and copy per
+bucket): 24 ms of the 135M model's 91 ms float32 decode step, about half that now
 (docs/benchmarks.md). An item's matmul reads its keys with a row stride of D instead of Hkv D:
 measured to give the same bits (tests/unit/test_invariant_decode.py). Since issue 29's fourth
 session (branch perf4) a layer runs fewer: the numerator and the denominator go through one tree

@@ -1,10 +1,10 @@
 """The decode side of the invariant attention (engine/invariant_decode.py), issue 29.
 
-Its one batched matmul per bucket reads every kv head's items head-major (keys a row stride of
-D apart); until issue 29 a matmul per kv head read them in the pool's page layout (Hkv D apart).
+Its batched matmuls per bucket read every kv head's items head-major (keys a row stride of D
+apart); until issue 29 a matmul per kv head read them in the pool's page layout (Hkv D apart).
 These tests hold the facts that change relies on: the two give every item the same bits, on
-this host, for the decode shapes, whatever the number of items in the call; a layer's plan is built once per step; the rows view reads
-the pool's own bytes.
+this host, for the decode shapes, whatever the number of items in the call; a layer's plan is
+built once per step; the rows view reads the pool's own bytes.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ def test_head_major_items_equal_the_per_head_matmuls_of_the_page_layout(
 ) -> None:
     """scores [R G, D] x [D, K] and P @ V [R G, K] x [K, D] for n items of Hkv kv heads: items_bmm
     over Hkv n head-major items gives each item the bits items_bmm per kv head over the page
-    layout gives it (whose last call, padded, is a contiguous copy), for every R of a beam request, 1 to 5 items and the GQA shapes of the models here,
-    and the bits it gets in a call of 1, 2 or all but one of the items (items_bmm: never a
-    batch of one, which took another kernel on an AMD EPYC)."""
+    layout gives it (whose last call, padded, is a contiguous copy), for every R of a beam
+    request, 1 to 5 items and the GQA shapes of the models here, and the bits it gets in a call
+    of 1, 2 or all but one of the items (calls of a fixed count: on an AMD EPYC an item's bits
+    changed with the number of items in a batched matmul)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
