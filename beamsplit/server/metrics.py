@@ -122,6 +122,12 @@ class ServerMetrics:
             "calls waiting for the engine thread (prefill, reserve, add, abort), read at scrape time",
             registry=registry,
         )
+        self.core_turns_skipped = Gauge(
+            "beamsplit_core_turns_skipped",
+            "engine steps run without a turn on cores shared with another engine process (--shares-cores): "
+            "the other held them past the bound (stopped or slow); 0 without --shares-cores",
+            registry=registry,
+        )
         self.prefix_prompt_tokens = Counter(
             "beamsplit_prefix_prompt_tokens",
             "prompt tokens looked up in the prefix tree, by side (the process role)",

@@ -95,6 +95,8 @@ def start_engine(
         core_lease=core_lease,
     )
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
+    if core_lease is not None:
+        metrics.core_turns_skipped.set_function(lambda: core_lease.turns_skipped)
     if not run_in_caller:
         loop.start()
         if one_pool:

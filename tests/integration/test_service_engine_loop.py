@@ -184,7 +184,7 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(
     from beamsplit.server.core_lease import CoreLease
     from beamsplit.server.metrics import ServerMetrics
     from beamsplit.server.worker_setup import start_engine
-    from engine import CacheConfig, EngineConfig
+    from engine import CacheConfig, EngineConfig, SamplingParams
     from engine.batch_invariant import RowChunkedLinear
     from engine.packed_linear import PackedLinear
 
@@ -195,8 +195,9 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(
     config = EngineConfig(
         model="tiny", dtype="float32", cache=CacheConfig(tokens_per_block=16, num_blocks=64)
     )
-    lease = CoreLease(tmp_path / "cores.lock") if takes_turns else None
-    handle = start_engine(config, ServerMetrics("generation"), core_lease=lease)
+    lease = CoreLease(tmp_path / "cores.lock", wait_bound_s=0.2) if takes_turns else None
+    metrics = ServerMetrics("generation")
+    handle = start_engine(config, metrics, core_lease=lease)
     try:
         assert torch.get_num_threads() == 1
         assert handle.loop.call(lambda engine: torch.get_num_threads(), timeout_s=30.0) == num_threads
@@ -205,6 +206,17 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(
         modules = list(handle.engine.runner.model.modules())
         assert any(isinstance(module, PackedLinear) for module in modules)
         assert not any(isinstance(module, RowChunkedLinear) for module in modules)
+        assert metrics.registry.get_sample_value("beamsplit_core_turns_skipped") == 0
+        if lease is not None:  # a step whose turn another holder keeps past the bound runs, counted
+            other = CoreLease(tmp_path / "cores.lock")
+            with other.turn():
+                stream = handle.loop.open_stream("r")
+                params = SamplingParams(max_new_tokens=1)
+                handle.loop.call(lambda engine: engine.add_request("r", [5, 6, 7], params), timeout_s=10.0)
+                output = stream.get(timeout_s=30.0)
+            other.close()
+            assert output is not None and output.finished
+            assert metrics.registry.get_sample_value("beamsplit_core_turns_skipped") == 1
     finally:
         handle.loop.stop()
         torch.set_num_threads(before)
