@@ -69,7 +69,8 @@ def test_the_kernel_computes_the_torch_forms_attention(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_a_tokens_bits_do_not_depend_on_the_call_or_the_threads(dtype: torch.dtype) -> None:
-    """Each token alone, in the whole batch, in the batch reversed, at 1 and 2 threads: the same bits."""
+    """Each token alone, in the whole batch, in the batch reversed, at 1 and 2 threads: the same bits.
+    The batch's items take a token's kv heads together, a lone token's one head each (kernels.cpp)."""
     generator = torch.Generator().manual_seed(3)
     seqs, groups = batch(16)
     kv_layer = torch.randn(60, 2, 16, 2, 64, generator=generator).to(dtype)
