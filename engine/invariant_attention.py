@@ -18,6 +18,11 @@ engine/batch_invariant.py):
   batched matmul per bucket of R, the beams of one request that read the same item; items and
   the softmax denominators are summed by a pairwise tree with a fixed leaf per item.
 
+- with the compiled kernel (engine/native/kernels.cpp, the default on a CPU): every token, prompt
+  or decode, is a unit of its own, its keys [0, position] read from its pages; its bits are those
+  of a decode token at its position. The two forms above run where the kernel does not
+  (`--no-native-kernels`, no compiler).
+
 A sliding-window layer (window W) hides, in both paths, the keys at or before position - W as well;
 the hidden keys follow from a token's position and W alone, so invariance holds there too.
 
@@ -68,8 +73,9 @@ class PromptSequence:
 
 @dataclass(frozen=True)
 class NativeDecode:
-    """Decode tokens for the compiled kernel (engine/native/kernels.cpp): each token's
-    row, position and pages; the kernel computes each (token, kv head) alone, in one order."""
+    """Tokens for the compiled kernel (engine/native/kernels.cpp), decode tokens and prompt tokens
+    alike: each token's row, position and pages; the kernel computes each token alone, in one
+    order, so a prompt token's bits are those of a decode token at its position."""
 
     token_index: torch.Tensor  # [U] the token's row among the N new tokens
     positions: torch.Tensor  # [U] its position: it reads keys [0, position], its own included
@@ -80,7 +86,7 @@ class NativeDecode:
 class InvariantLayout:
     slices: tuple[AttentionSlice, ...]  # decode tokens (torch ops)
     prompts: tuple[PromptSequence, ...] = ()
-    native: NativeDecode | None = None  # decode tokens (the compiled kernel), in place of slices
+    native: NativeDecode | None = None  # all tokens (the compiled kernel), in place of both
 
 
 def prepare_invariant_layout(
@@ -95,12 +101,14 @@ def prepare_invariant_layout(
     """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention;
     beam_group_sizes: per decode sequence the W of its request, whose W beams are consecutive
     (None: each decode sequence is a request of its own); sliding_windows: the model's windows;
-    native_decode: decode tokens go to the compiled kernel (engine/native_kernels.py) instead of
-    torch ops."""
+    native_decode: every token, decode or prompt, goes to the compiled kernel
+    (engine/native_kernels.py) instead of torch ops."""
     num_tokens = sum(num_new for _, _, num_new in seqs)
     # Per request, (token index, position, block ids) of each decoding beam
     decode_groups: list[list[tuple[int, int, Sequence[int]]]] = []
     prompts: list[PromptSequence] = []
+    # The compiled kernel's prompt tokens: (first token index, first position, count, block ids)
+    native_prompts: list[tuple[int, int, int, Sequence[int]]] = []
     start, group_end = 0, 0
     for index, ((block_ids, num_cached, num_new), decode) in enumerate(zip(seqs, is_decode, strict=True)):
         if decode:
@@ -110,26 +118,17 @@ def prepare_invariant_layout(
                 decode_groups.append([])
                 group_end = index + (1 if beam_group_sizes is None else max(1, beam_group_sizes[index]))
             decode_groups[-1].append((start, num_cached, block_ids[: num_cached // tokens_per_block + 1]))
+        elif native_decode:
+            last_page = (num_cached + num_new - 1) // tokens_per_block
+            native_prompts.append((start, num_cached, num_new, block_ids[: last_page + 1]))
         else:
             prompts.append(
                 _prompt_sequence(block_ids, num_cached, num_new, start, num_tokens, tokens_per_block, device)
             )
         start += num_new
     if native_decode:
-        units = [unit for group in decode_groups for unit in group]
-        native = None
-        if units:
-            max_pages = max(len(pages) for _, _, pages in units)
-            native = NativeDecode(
-                token_index=torch.tensor([unit[0] for unit in units], dtype=torch.long, device=device),
-                positions=torch.tensor([unit[1] for unit in units], dtype=torch.long, device=device),
-                block_table=torch.tensor(
-                    [list(pages) + [0] * (max_pages - len(pages)) for _, _, pages in units],
-                    dtype=torch.long,
-                    device=device,
-                ),
-            )
-        return InvariantLayout((), tuple(prompts), native)
+        decode_units = [unit for group in decode_groups for unit in group]
+        return InvariantLayout((), (), _native_units(decode_units, native_prompts, device))
     # Slices bound the memory; a request's beams always stay in one slice.
     slices: list[AttentionSlice] = []
     current: list[list[tuple[int, int, Sequence[int]]]] = []
@@ -144,6 +143,32 @@ def prepare_invariant_layout(
     if current:
         slices.append(make_slice(current, max_pages, tokens_per_block, device, sliding_windows))
     return InvariantLayout(tuple(slices), tuple(prompts))
+
+
+def _native_units(
+    decode_units: Sequence[tuple[int, int, Sequence[int]]],
+    prompts: Sequence[tuple[int, int, int, Sequence[int]]],
+    device: torch.device | str,
+) -> NativeDecode | None:
+    """The compiled kernel's units: each decode token (token index, position, pages), then each
+    prompt token at its own position; a prompt's tokens share its block-table row (a token reads
+    only the pages up to its position)."""
+    if not decode_units and not prompts:
+        return None
+    rows = [pages for _, _, pages in decode_units] + [pages for *_, pages in prompts]
+    max_pages = max(len(pages) for pages in rows)
+    table = torch.tensor([list(pages) + [0] * (max_pages - len(pages)) for pages in rows], dtype=torch.long)
+    counts = [1] * len(decode_units) + [count for _, _, count, _ in prompts]
+    token_index = [token for token, _, _ in decode_units]
+    positions = [position for _, position, _ in decode_units]
+    for first_token, first_position, count, _ in prompts:
+        token_index.extend(range(first_token, first_token + count))
+        positions.extend(range(first_position, first_position + count))
+    return NativeDecode(
+        token_index=torch.tensor(token_index, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        block_table=table.repeat_interleave(torch.tensor(counts), dim=0).to(device),
+    )
 
 
 def _prompt_sequence(

@@ -129,6 +129,33 @@ inline f16 exp16(f16 x) {
 
 constexpr int64_t kMaxVectors = 32;  // head dims up to 512 floats
 
+// body(begin, end) over items [0, num_items), one run of items per thread, the runs of about equal
+// work (an item's keys, `work(item)`) rather than of equal count: a prompt's last tokens read many
+// more keys than its first, and a batch's requests differ in length. Which thread runs an item
+// never changes its bits.
+template <typename Work, typename Body>
+void parallel_by_work(int64_t num_items, const Work& work, const Body& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  if (threads <= 1) return body(0, num_items);
+  std::vector<int64_t> bounds(threads + 1, num_items);
+  bounds[0] = 0;
+  int64_t total = 0;
+  for (int64_t item = 0; item < num_items; ++item) total += work(item);
+  int64_t running = 0;
+  for (int64_t item = 0, t = 1; item < num_items && t < threads; ++item) {
+    running += work(item);
+    while (t < threads && running * threads >= total * t) bounds[t++] = item + 1;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) body(bounds[t], bounds[t + 1]);
+  });
+}
+
+// The keys a token at `position` reads (all of them, or its window's)
+inline int64_t first_key(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+}
+
 struct Layout {
   int64_t num_units, num_heads, num_kv_heads, head_dim, tokens_per_block;
   int64_t query_row_stride, output_row_stride, block_stride, max_pages;
@@ -160,7 +187,11 @@ void run_float(const float* query, const kv_t* kv, const int64_t* token_index, c
   // thread two or more (each key's row of all heads is then read as one run), else one head.
   const int64_t heads = s.num_units >= 2 * at::get_num_threads() ? s.num_kv_heads : 1;
   const int64_t items_per_unit = s.num_kv_heads / heads, rows = heads * group;
-  at::parallel_for(0, s.num_units * items_per_unit, 1, [&](int64_t begin, int64_t end) {
+  const auto keys_of = [&](int64_t item) {
+    const int64_t position = positions[item / items_per_unit];
+    return position - first_key(position, s.window) + 1 + L;  // + L: an item's fixed costs
+  };
+  parallel_by_work(s.num_units * items_per_unit, keys_of, [&](int64_t begin, int64_t end) {
     std::vector<f16> q(rows * num_vectors), acc(rows * num_vectors), partial(rows * L);
     f16 keys[kMaxVectors];
     std::vector<f16> weights;
@@ -169,7 +200,7 @@ void run_float(const float* query, const kv_t* kv, const int64_t* token_index, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t unit = item / items_per_unit, h0 = item % items_per_unit * heads;
       const int64_t position = positions[unit], token = token_index[unit];
-      const int64_t first = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+      const int64_t first = first_key(position, s.window);
       const int64_t count = position - first + 1, num_blocks = (count + L - 1) / L;
       const int64_t* pages = block_table + unit * s.max_pages;
       const float* query_row = query + token * s.query_row_stride + h0 * group * dim;
@@ -281,13 +312,17 @@ void run(const acc_t* query, const kv_t* kv, const int64_t* token_index, const i
   const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim, T = s.tokens_per_block;
   const int64_t num_vectors = (dim + L - 1) / L;
   const int64_t row = s.num_kv_heads * dim;  // one token's keys (or values) in a block
-  at::parallel_for(0, s.num_units * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const auto keys_of = [&](int64_t item) {
+    const int64_t position = positions[item / s.num_kv_heads];
+    return position - first_key(position, s.window) + 1 + L;
+  };
+  parallel_by_work(s.num_units * s.num_kv_heads, keys_of, [&](int64_t begin, int64_t end) {
     std::vector<vec> q(group * num_vectors), acc(group * num_vectors), keys(num_vectors);
     std::vector<acc_t> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t unit = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
       const int64_t position = positions[unit], token = token_index[unit];
-      const int64_t first = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+      const int64_t first = first_key(position, s.window);
       const int64_t count = position - first + 1;
       const int64_t* pages = block_table + unit * s.max_pages;
       const acc_t* query_row = query + token * s.query_row_stride + kv_head * group * dim;
