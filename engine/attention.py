@@ -91,7 +91,7 @@ def prepare_attention(
     batch-invariant kernel; None keeps the padded one. beam_group_sizes: per decode sequence the
     beam width W of its request, whose W beams are consecutive (their shared pages are read once).
     sliding_windows: the model's distinct windows (ModelConfig.sliding_windows). native_decode: the
-    invariant kernel's decode tokens run the compiled kernel (engine/native_kernels.py)."""
+    invariant kernel's tokens, decode and prompt, run the compiled kernel (engine/native_kernels.py)."""
     if not seqs:
         raise ValueError("seqs must hold at least one sequence")
     slots: list[int] = []

@@ -92,6 +92,39 @@ def test_a_tokens_bits_do_not_depend_on_the_call_or_the_threads(dtype: torch.dty
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_a_prompt_tokens_bits_are_a_decode_tokens_at_its_position(
+    dtype: torch.dtype, tolerance: float
+) -> None:
+    """Prompt tokens are units of the kernel too: a chunk of 70 prompt tokens after 30 cached ones,
+    beside a decode token, gives each token the bits of a decode token alone at its position, and
+    the values of the torch form's prompt units."""
+    generator = torch.Generator().manual_seed(5)
+    kv_layer = torch.randn(20, 2, 16, 3, 64, generator=generator).to(dtype)
+    pages = list(range(1, 8))  # positions [0, 112), pages of 16
+    query = torch.randn(71, 9, 64, generator=generator).to(dtype)
+    seqs = [([10, 11, 12], 40, 1), (pages, 30, 70)]
+
+    def batch(native: bool) -> torch.Tensor:
+        metadata = prepare_attention(seqs, 16, "cpu", [True, False], [1, 1], (), native)
+        return paged_attention(query, kv_layer, metadata, 0.125, None)
+
+    together = batch(True)
+    torch.testing.assert_close(together.double(), batch(False).double(), atol=tolerance, rtol=tolerance)
+    assert same_bits(together[:1], rows([seqs[0]], [1], query[:1], kv_layer, True, None))
+    for index in range(70):
+        position = 30 + index
+        alone = rows(
+            [(pages[: position // 16 + 1], position, 1)],
+            [1],
+            query[1 + index : 2 + index],
+            kv_layer,
+            True,
+            None,
+        )
+        assert same_bits(alone, together[1 + index : 2 + index]), position
+
+
 def test_bad_layouts_are_refused_by_name() -> None:
     kernel = native_kernels.decode_kernel()
     assert kernel is not None
