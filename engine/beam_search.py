@@ -174,7 +174,7 @@ def step_beam_searches(searches: Sequence[BeamSearch], logprobs: torch.Tensor) -
     rows_by_params: dict[BeamSearchParams, list[int]] = {}
     for index, search in enumerate(searches):
         rows_by_params.setdefault(search.params, []).append(index)
-    steps: list[BeamStep | None] = [None] * num_requests
+    steps: dict[int, BeamStep] = {}  # row -> its step; the groups cover every row
     for rows in rows_by_params.values():
         picked: tuple[torch.Tensor, ...] = (top_logprobs, parents, tokens)
         if len(rows) < num_requests:
@@ -182,7 +182,7 @@ def step_beam_searches(searches: Sequence[BeamSearch], logprobs: torch.Tensor) -
         advanced = advance_searches([searches[row] for row in rows], *picked)
         for row, step in zip(rows, advanced, strict=True):
             steps[row] = step
-    return [step for step in steps if step is not None]
+    return [steps[row] for row in range(num_requests)]
 
 
 def advance_searches(
@@ -203,7 +203,7 @@ def advance_searches(
     ).clone()  # [R, K, M]
     positions = (num_generated - 1)[:, :, None].expand(-1, tokens.shape[1], 1)
     candidate_tokens.scatter_(2, positions, tokens[:, :, None])
-    hits_stop = _hits_stop(searches, tokens, candidate_tokens, num_generated)  # [R, K]
+    hits_stop = _hits_stop(searches, tokens, candidate_tokens, generated, num_generated)  # [R, K]
 
     # Running beams for the next step: the best W candidates that did not end.
     running_logprobs = top_logprobs + hits_stop.to(torch.float32) * MASK
@@ -279,16 +279,17 @@ def _hits_stop(
     searches: Sequence[BeamSearch],
     tokens: torch.Tensor,
     candidate_tokens: torch.Tensor,
+    generated: Sequence[int],
     num_generated: torch.Tensor,
 ) -> torch.Tensor:
-    """tokens: [R, K]; candidate_tokens: [R, K, M], each candidate's first num_generated [R, 1]
-    filled. A candidate ends on eos, a completed stop string, or at max_new_tokens."""
+    """tokens: [R, K]; candidate_tokens: [R, K, M], each row's first generated[r] filled
+    (num_generated: the same counts as a tensor [R, 1]). A candidate ends on eos, a completed stop
+    string, or at max_new_tokens."""
     params = searches[0].params
     if params.eos_token_id is None:
         hits = torch.zeros_like(tokens, dtype=torch.bool)
     else:
         hits = tokens == params.eos_token_id
-    generated = num_generated[:, 0].tolist()
     for row, search in enumerate(searches):
         if search.stop_matcher is not None and generated[row] < params.max_new_tokens:
             sequences = candidate_tokens[row, :, : generated[row]].tolist()  # K lists

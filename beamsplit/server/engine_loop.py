@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 from beamsplit.server.core_lease import CoreLease
@@ -192,11 +193,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            if self._core_lease is None:
+            with nullcontext() if self._core_lease is None else self._core_lease.turn():
                 outputs = self._engine.step()
-            else:
-                with self._core_lease.turn():
-                    outputs = self._engine.step()
         except Exception:
             # A failed step leaves no request we can vouch for: end every stream so clients get an
             # error now; each owner aborts its request, which frees the pages.
