@@ -40,9 +40,9 @@ from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.config import ModelConfig
-from engine.models.decoder import use_native_norms
+from engine.models.decoder import use_native_norms, use_native_rotary
 from engine.models.loader import load_model
-from engine.native_kernels import decode_kernel, norm_kernel
+from engine.native_kernels import decode_kernel, norm_kernel, rotary_kernel
 from engine.packed_linear import CHECK_MODULES, checks_in_child, linear_checks, warm_up_linear_layers
 from engine.request import Request, RequestState, Reservation, make_decoder, step_decoders
 from engine.request_checks import check_params, check_prompt
@@ -121,6 +121,9 @@ class LLMEngine(ContextSide, GenerationSide):
         norm = norm_kernel() if native else None
         if norm is not None:
             use_native_norms(model, norm)
+        rotary = rotary_kernel() if native else None
+        if rotary is not None:
+            use_native_rotary(model, rotary)
         native_decode = native and config.batch_invariant and decode_kernel() is not None
         self.runner = ModelRunner(
             model, self.kv_pool, self.state_pool, config.batch_invariant, windows, native_decode

@@ -4,7 +4,9 @@ Why: a decode step's attention as eager torch ops is about 80 ops a layer (gathe
 matmuls over fixed items, a tree over items); for the 135M model that was 11 ms of a 51 ms lone
 float32 step and a third of a 16-request one (issue 29). One compiled call a layer does the same
 work with a fixed summation order per (token, kv head). RMSNorm, 6 ops a call (61 calls a step),
-is one call too, float32 and bfloat16 (float64 keeps torch's ops: its parity with transformers).
+is one call too, float32 and bfloat16 (float64 keeps torch's ops: its parity with transformers);
+so are a fused projection's rotary and K/V write (`rotary_write`, about 12 ops a layer, the same
+bits as the torch ops).
 
 How: the source is compiled with the host's C++ compiler against the installed torch's headers
 (about 7 s) into a cache folder keyed by the source, torch's version, the compiler and the CPU's
@@ -120,6 +122,13 @@ def _loaded() -> bool:
 def decode_kernel() -> Callable[..., Any] | None:
     """torch.ops.beamsplit.decode_attention, or None where the library cannot be built."""
     kernel: Callable[..., Any] | None = torch.ops.beamsplit.decode_attention if _loaded() else None
+    return kernel
+
+
+def rotary_kernel() -> Callable[..., Any] | None:
+    """torch.ops.beamsplit.rotary_write (qkv, num_heads, cos, signed sin, kv_layer, slot blocks,
+    slot offsets), or None where the library cannot be built."""
+    kernel: Callable[..., Any] | None = torch.ops.beamsplit.rotary_write if _loaded() else None
     return kernel
 
 

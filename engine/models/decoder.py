@@ -83,6 +83,14 @@ def use_native_norms(
             module.native = kernel
 
 
+def use_native_rotary(model: nn.Module, kernel: Callable[..., torch.Tensor]) -> None:
+    """Every Attention of `model` whose projection is fused runs `kernel`
+    (engine/native_kernels.rotary_kernel) for its rotary and K/V write from now on."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.native_rotary_write = kernel
+
+
 def make_norm(config: ModelConfig, width: int) -> nn.Module:
     return (OffsetRMSNorm if config.traits.norm_offset else RMSNorm)(width, config.rms_norm_eps)
 
@@ -166,6 +174,10 @@ def adjacent_columns(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor 
 
 
 class Attention(nn.Module):
+    # torch.ops.beamsplit.rotary_write where the engine loaded it (use_native_rotary): the rotary of
+    # a fused projection's q and k and the K/V write in one call, the same bits as the torch ops.
+    native_rotary_write: Callable[..., torch.Tensor] | None = None
+
     def __init__(self, config: ModelConfig, kind: AttentionKind) -> None:
         super().__init__()
         traits = config.traits
@@ -212,6 +224,16 @@ class Attention(nn.Module):
         """hidden [N, E] -> [N, E]; writes the new tokens' K/V into kv_layer [blocks, 2, T, Hkv, D].
         cos and sin: rotary_table's [N, 1, D] (sin signed)."""
         num_tokens = hidden.shape[0]
+        native = self.native_rotary_write
+        if native is not None and self._takes_native_rotary(hidden):
+            # The fused projection's rows [N, (H + 2 Hkv) D] in, the rotated queries out; the keys
+            # (rotated) and values are written into the pool by the same call.
+            query = native(
+                self.qkv_proj(hidden).contiguous(), self.num_heads, cos.reshape(num_tokens, -1),
+                sin.reshape(num_tokens, -1), kv_layer, metadata.slot_blocks, metadata.slot_offsets,
+            )  # fmt: skip
+            output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)
+            return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
         query, key, value = self.project(hidden)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         query_key = None if self.has_head_norms else adjacent_columns(query, key)
@@ -229,6 +251,16 @@ class Attention(nn.Module):
         write_kv(kv_layer, key, value, metadata)
         output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)  # [N, H, D]
         return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _takes_native_rotary(self, hidden: torch.Tensor) -> bool:
+        """The compiled rotary and K/V write can take this pass: q, k and v one projection (fused at
+        load or by the family), no per-head norms, float32 or bfloat16, whole 32-lane halves."""
+        return (
+            "qkv_proj" in self._modules
+            and not self.has_head_norms
+            and hidden.dtype in NATIVE_NORM_DTYPES
+            and self.head_dim % 32 == 0
+        )
 
 
 class MLP(nn.Module):

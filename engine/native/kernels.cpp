@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -466,6 +467,106 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
   return output;
 }
 
+// float lanes rounded to bfloat16 (to nearest, ties to even), kept widened (no NaN here: rotary
+// tables are finite and so are the projections they multiply)
+inline f16 round_bfloat16(f16 x) {
+  i16 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & ~0xFFFF;
+  f16 rounded;
+  std::memcpy(&rounded, &bits, sizeof(rounded));
+  return rounded;
+}
+
+// x rounded to scalar_t, kept widened; a float product goes through memory (the empty asm), so the
+// compiler cannot fuse it with the add that follows into one multiply-add of other bits.
+template <typename scalar_t>
+inline f16 rounded(f16 x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    asm("" : "+m"(x));
+    return x;
+  } else {
+    return round_bfloat16(x);
+  }
+}
+
+template <typename scalar_t>
+inline void store(scalar_t* row, int64_t d, f16 lanes) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(row + d, &lanes, sizeof(lanes));
+  } else {
+    typedef uint16_t u16 __attribute__((vector_size(32)));
+    i16 bits;
+    std::memcpy(&bits, &lanes, sizeof(bits));
+    const u16 halves = __builtin_convertvector(bits >> 16, u16);
+    std::memcpy(row + d, &halves, sizeof(halves));
+  }
+}
+
+// Rotary on the query and key heads of a fused projection's rows, the keys and values written to
+// their slots in the pool, as decoder.apply_rotary_table and attention.write_kv do in torch ops:
+// x cos + roll(x, D / 2) signed_sin, each product and the sum rounded to the dtype (the same
+// bits). qkv [N, (H + 2 Hkv) D], rows contiguous; cos, signed_sin [N, D]; kv_layer [blocks, 2,
+// T, Hkv, D]; slot_blocks, slot_offsets [N]. Returns the rotated queries [N, H, D].
+template <typename scalar_t>
+void rotary_write_rows(const scalar_t* qkv, int64_t qkv_stride, const scalar_t* cos, const scalar_t* sin,
+                       scalar_t* kv, int64_t block_stride, int64_t T, const int64_t* blocks,
+                       const int64_t* offsets, scalar_t* query_out, int64_t num_tokens, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t dim) {
+  constexpr int64_t L = 16;
+  const int64_t half = dim / 2, row = num_kv_heads * dim;
+  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const scalar_t* token = qkv + n * qkv_stride;
+      scalar_t* keys = kv + blocks[n] * block_stride + offsets[n] * row;
+      scalar_t* values = keys + T * row;
+      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
+        const scalar_t* x = token + head * dim;
+        scalar_t* out = head < num_heads ? query_out + (n * num_heads + head) * dim : keys + (head - num_heads) * dim;
+        for (int64_t d = 0; d < dim; d += L) {
+          const int64_t partner = d < half ? d + half : d - half;
+          const f16 c = load<float>(cos + n * dim, d, dim), s = load<float>(sin + n * dim, d, dim);
+          const f16 lanes = rounded<scalar_t>(rounded<scalar_t>(load<float>(x, d, dim) * c) +
+                                              rounded<scalar_t>(load<float>(x, partner, dim) * s));
+          store(out, d, lanes);
+        }
+      }
+      std::memcpy(values, token + (num_heads + num_kv_heads) * dim, row * sizeof(scalar_t));
+    }
+  });
+}
+
+at::Tensor rotary_write(const at::Tensor& qkv, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor& kv_layer, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  TORCH_CHECK(kv_layer.dim() == 5, "kv_layer [blocks, 2, T, Hkv, D]");
+  const int64_t T = kv_layer.size(2), num_kv_heads = kv_layer.size(3), dim = kv_layer.size(4);
+  TORCH_CHECK(kv_layer.stride(4) == 1 && kv_layer.stride(3) == dim && kv_layer.stride(2) == num_kv_heads * dim && kv_layer.stride(1) == T * num_kv_heads * dim, "kv_layer's blocks must be contiguous");
+  TORCH_CHECK(dim % 32 == 0, "head dim ", dim, " is not a multiple of 32");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim, "qkv must be [N, (H + 2 Hkv) D] with contiguous rows");
+  const int64_t num_tokens = qkv.size(0);
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK(table->is_contiguous() && table->numel() == num_tokens * dim, "cos and sin must be [N, D], contiguous");
+  }
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() && kv_layer.scalar_type() == qkv.scalar_type(), "qkv, cos, sin and kv_layer must share a dtype");
+  for (const at::Tensor* index : {&slot_blocks, &slot_offsets}) {
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous() && index->numel() == num_tokens, "slot tensors must be [N] contiguous int64");
+  }
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  for (int64_t n = 0; n < num_tokens; ++n) {
+    TORCH_CHECK(0 <= blocks[n] && blocks[n] < kv_layer.size(0) && 0 <= offsets[n] && offsets[n] < T, "slot (", blocks[n], ", ", offsets[n], ") out of the pool");
+  }
+  at::Tensor query = at::empty({num_tokens, num_heads, dim}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
+    rotary_write_rows(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), kv_layer.data_ptr<float>(), kv_layer.stride(0), T, blocks, offsets, query.data_ptr<float>(), num_tokens, num_heads, num_kv_heads, dim);
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rotary_write_rows(qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), kv_layer.data_ptr<c10::BFloat16>(), kv_layer.stride(0), T, blocks, offsets, query.data_ptr<c10::BFloat16>(), num_tokens, num_heads, num_kv_heads, dim);
+  } else {
+    TORCH_CHECK(false, "no rotary_write kernel for ", qkv.scalar_type());
+  }
+  return query;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(beamsplit, m) {
@@ -473,4 +574,6 @@ TORCH_LIBRARY(beamsplit, m) {
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("rotary_write(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) kv_layer, Tensor slot_blocks, Tensor slot_offsets) -> Tensor");
+  m.impl("rotary_write", c10::DispatchKey::CPU, TORCH_FN(rotary_write));
 }

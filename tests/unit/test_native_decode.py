@@ -5,13 +5,14 @@ layouts refused by name, RMSNorm row by row, and a build that falls back instead
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import native_kernels
-from engine.attention import paged_attention, prepare_attention
-from engine.models.decoder import RMSNorm, use_native_norms
+from engine.attention import paged_attention, prepare_attention, write_kv
+from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary_table, rotary_table, use_native_norms
 from engine.models.q8_embedding import same_bits
 
 pytestmark = pytest.mark.skipif(native_kernels.decode_kernel() is None, reason="no C++ compiler here")
@@ -198,3 +199,31 @@ def test_rms_norm_rows_are_their_own_and_the_torch_forms(dtype: torch.dtype) -> 
     assert calls == []
     norm.to(dtype)(hidden)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 70])
+def test_rotary_write_is_the_torch_ops_bit_for_bit(dtype: torch.dtype, num_tokens: int) -> None:
+    """The compiled rotary and K/V write (engine/models/decoder.py, Attention.forward's fused path):
+    the rotated queries and every page of the pool equal apply_rotary_table then write_kv's."""
+    heads, kv_heads, dim = 9, 3, 64
+    generator = torch.Generator().manual_seed(num_tokens)
+    qkv = (torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=generator) * 3).to(dtype)
+    positions = torch.randint(0, 8000, (num_tokens,), generator=generator)
+    cos, sin = rotary_table(*RotaryEmbedding(dim, 10000.0)(positions, dtype))
+    slots = torch.randperm(40 * 16, generator=generator)[:num_tokens]
+    metadata = SimpleNamespace(slot_blocks=slots // 16, slot_offsets=slots % 16)
+    expected_pool = torch.randn(40, 2, 16, kv_heads, dim, generator=generator).to(dtype)
+    pool = expected_pool.clone()
+
+    query, key, value = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    rotated = apply_rotary_table(qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim), cos, sin)
+    write_kv(expected_pool, rotated[:, heads:], value.reshape(num_tokens, kv_heads, dim), metadata)  # type: ignore[arg-type]
+    kernel = native_kernels.rotary_kernel()
+    assert kernel is not None
+    got = kernel(qkv, heads, cos.reshape(num_tokens, dim), sin.reshape(num_tokens, dim), pool,
+                 metadata.slot_blocks, metadata.slot_offsets)  # fmt: skip
+    assert same_bits(got, rotated[:, :heads]) and same_bits(pool, expected_pool)
+    with pytest.raises(RuntimeError, match="out of the pool"):
+        kernel(qkv, heads, cos.reshape(num_tokens, dim), sin.reshape(num_tokens, dim), pool,
+               metadata.slot_blocks + 40, metadata.slot_offsets)  # fmt: skip
