@@ -85,12 +85,12 @@ def prepare_attention(
     is_decode: Sequence[bool] | None = None,
     beam_group_sizes: Sequence[int] | None = None,
     sliding_windows: Sequence[int] = (),
-    native_decode: bool = False,
+    native_attention: bool = False,
 ) -> AttentionMetadata:
     """is_decode: one flag per sequence (a decode step feeds one generated token) selects the
     batch-invariant kernel; None keeps the padded one. beam_group_sizes: per decode sequence the
     beam width W of its request, whose W beams are consecutive (their shared pages are read once).
-    sliding_windows: the model's distinct windows (ModelConfig.sliding_windows). native_decode: the
+    sliding_windows: the model's distinct windows (ModelConfig.sliding_windows). native_attention: the
     invariant kernel's tokens, decode and prompt, run the compiled kernel (engine/native_kernels.py)."""
     if not seqs:
         raise ValueError("seqs must hold at least one sequence")
@@ -145,7 +145,7 @@ def prepare_attention(
     window_key_masks: dict[int, torch.Tensor] = {}
     if is_decode is not None:
         invariant = prepare_invariant_layout(
-            seqs, is_decode, tokens_per_block, device, beam_group_sizes, sliding_windows, native_decode
+            seqs, is_decode, tokens_per_block, device, beam_group_sizes, sliding_windows, native_attention
         )
     else:
         # A padded query slot keeps position 0, so it sees key 0 and its softmax stays finite;

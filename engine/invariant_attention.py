@@ -96,12 +96,12 @@ def prepare_invariant_layout(
     device: torch.device | str,
     beam_group_sizes: Sequence[int] | None = None,
     sliding_windows: Sequence[int] = (),
-    native_decode: bool = False,
+    native_attention: bool = False,
 ) -> InvariantLayout:
     """seqs: (block_ids, num_cached_tokens, num_new_tokens) in batch order, as prepare_attention;
     beam_group_sizes: per decode sequence the W of its request, whose W beams are consecutive
     (None: each decode sequence is a request of its own); sliding_windows: the model's windows;
-    native_decode: every token, decode or prompt, goes to the compiled kernel
+    native_attention: every token, decode or prompt, goes to the compiled kernel
     (engine/native_kernels.py) instead of torch ops."""
     num_tokens = sum(num_new for _, _, num_new in seqs)
     # Per request, (token index, position, block ids) of each decoding beam
@@ -118,7 +118,7 @@ def prepare_invariant_layout(
                 decode_groups.append([])
                 group_end = index + (1 if beam_group_sizes is None else max(1, beam_group_sizes[index]))
             decode_groups[-1].append((start, num_cached, block_ids[: num_cached // tokens_per_block + 1]))
-        elif native_decode:
+        elif native_attention:
             last_page = (num_cached + num_new - 1) // tokens_per_block
             native_prompts.append((start, num_cached, num_new, block_ids[: last_page + 1]))
         else:
@@ -126,7 +126,7 @@ def prepare_invariant_layout(
                 _prompt_sequence(block_ids, num_cached, num_new, start, num_tokens, tokens_per_block, device)
             )
         start += num_new
-    if native_decode:
+    if native_attention:
         decode_units = [unit for group in decode_groups for unit in group]
         return InvariantLayout((), (), _native_units(decode_units, native_prompts, device))
     # Slices bound the memory; a request's beams always stay in one slice.

@@ -124,9 +124,9 @@ class LLMEngine(ContextSide, GenerationSide):
         rotary = rotary_kernel() if native else None
         if rotary is not None:
             use_native_rotary(model, rotary)
-        native_decode = native and config.batch_invariant and decode_kernel() is not None
+        native_attention = native and config.batch_invariant and decode_kernel() is not None
         self.runner = ModelRunner(
-            model, self.kv_pool, self.state_pool, config.batch_invariant, windows, native_decode
+            model, self.kv_pool, self.state_pool, config.batch_invariant, windows, native_attention
         )
         self.scheduler = Scheduler(
             self.kv_cache,

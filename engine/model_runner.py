@@ -95,13 +95,13 @@ class ModelRunner:
         state_pool: StatePool | None = None,
         batch_invariant: bool = False,
         group_windows: Sequence[int | None] = (None,),
-        native_decode: bool = False,
+        native_attention: bool = False,
     ) -> None:
         """batch_invariant: a sequence's log-probs do not depend on the rest of the batch; the
         model's linear layers must be RowChunkedLinear too (make_batch_invariant). group_windows:
         each KV group's window (engine/kv_groups.py; one group: the pool is one layout).
-        native_decode: with batch_invariant, decode tokens' attention runs the compiled kernel
-        (engine/native_kernels.py; the caller has loaded it)."""
+        native_attention: with batch_invariant, every token's attention (prompt and decode) runs
+        the compiled kernel (engine/native_kernels.py; the caller has loaded it)."""
         if isinstance(model, Lfm2Model) != (state_pool is not None):
             raise ValueError("a state pool goes with a hybrid model, and only with one")
         self.batch_invariant = batch_invariant
@@ -110,7 +110,7 @@ class ModelRunner:
         self.state_pool = state_pool
         self.device = kv_pool.device
         self.group_windows = tuple(group_windows)
-        self.native_decode = native_decode and batch_invariant
+        self.native_attention = native_attention and batch_invariant
 
     def prepare_batch(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
         is_decode = [seq.is_decode for seq in seqs] if self.batch_invariant else None
@@ -126,7 +126,7 @@ class ModelRunner:
             windows = model_windows if window is None else (window,)
             return prepare_attention(
                 specs, self.kv_pool.tokens_per_block, self.device, is_decode, beam_group_sizes(seqs), windows,
-                self.native_decode,
+                self.native_attention,
             )  # fmt: skip
 
         metadata = group_metadata(0)
