@@ -232,8 +232,22 @@ class Attention(nn.Module):
                 self.qkv_proj(hidden).contiguous(), self.num_heads, cos.reshape(num_tokens, -1),
                 sin.reshape(num_tokens, -1), kv_layer, metadata.slot_blocks, metadata.slot_offsets,
             )  # fmt: skip
-            output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)
-            return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
+        else:
+            query = self._rotate_and_write(hidden, cos, sin, kv_layer, metadata)
+        output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)  # [N, H, D]
+        return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _rotate_and_write(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The torch ops of forward's first half: projections, head norms, rotary, the K/V write;
+        returns the rotated queries [N, H, D]."""
+        num_tokens = hidden.shape[0]
         query, key, value = self.project(hidden)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         query_key = None if self.has_head_norms else adjacent_columns(query, key)
@@ -249,8 +263,7 @@ class Attention(nn.Module):
             key = k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
             query, key = apply_rotary_table(query, cos, sin), apply_rotary_table(key, cos, sin)
         write_kv(kv_layer, key, value, metadata)
-        output = paged_attention(query, kv_layer, metadata, self.scale, self.sliding_window)  # [N, H, D]
-        return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
+        return query
 
     def _takes_native_rotary(self, hidden: torch.Tensor) -> bool:
         """The compiled rotary and K/V write can take this pass: q, k and v one projection (fused at
