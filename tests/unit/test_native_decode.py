@@ -126,6 +126,35 @@ def test_a_prompt_tokens_bits_are_a_decode_tokens_at_its_position(
         assert same_bits(alone, together[1 + index : 2 + index]), position
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_a_bfloat16_pool_is_the_float32_dot_product_of_its_values(head_dim: int) -> None:
+    """A bfloat16 pool's scores (with AVX512-BF16, by bfloat16 dot-product instructions on the
+    pages' own bits where the head dim is whole 32-value vectors: 64 and 128 here; 80 widens each
+    value first) are the float32 sums of the same values in another order: equal to the kernel's
+    output over a float32 copy of the pool to float32 rounding, not bfloat16's."""
+    generator = torch.Generator().manual_seed(head_dim)
+    seqs, groups = batch(32)
+    kv_layer = torch.randn(50, 2, 32, 3, head_dim, generator=generator).to(torch.bfloat16)
+    query = torch.randn(len(seqs), 9, head_dim, generator=generator).to(torch.bfloat16)
+    wide = rows(seqs, groups, query.float(), kv_layer.float(), True, None)
+    kernel = native_kernels.decode_kernel()
+    assert kernel is not None
+    output = torch.empty(len(seqs), 9, head_dim)
+    metadata = prepare_attention(seqs, 32, "cpu", [True] * len(seqs), groups, (), True)
+    assert metadata.invariant is not None and metadata.invariant.native is not None
+    native = metadata.invariant.native
+    kernel(
+        query.float(), kv_layer, native.token_index, native.positions, native.block_table, 0.125, 0, output
+    )
+    torch.testing.assert_close(output, wide, atol=2e-6, rtol=2e-6)
+    if head_dim % 32 == 0 and "avx512_bf16" in native_kernels._cpu_flags().split():
+        off_grid = query.float() + 1e-3  # no longer bfloat16 values: their pairs would round them
+        with pytest.raises(RuntimeError, match="a bfloat16 pool's queries must be bfloat16 values"):
+            kernel(
+                off_grid, kv_layer, native.token_index, native.positions, native.block_table, 0.125, 0, output
+            )
+
+
 def test_bad_layouts_are_refused_by_name() -> None:
     kernel = native_kernels.decode_kernel()
     assert kernel is not None
