@@ -210,6 +210,17 @@ def invariant_attention(
     """query [N, H, D] (rotary applied), kv_layer [blocks, 2, T, Hkv, D] holding the new tokens'
     K/V -> [N, H, D]; see the module docstring for why every shape is fixed."""
     num_tokens, num_heads, head_dim = query.shape
+    if (
+        layout.native is not None
+        and not (layout.slices or layout.prompts)
+        and query.dtype == kv_layer.dtype != torch.float16
+    ):
+        # Only the compiled kernel: it takes the query and writes the output in the pool's dtype
+        # (bfloat16 computes in float32 inside and rounds as .to() does: the same bits, without
+        # the two conversions; float16 queries it takes in float32 only)
+        output = torch.empty_like(query, memory_format=torch.contiguous_format)
+        _native_attention(query.contiguous(), kv_layer, layout.native, scale, sliding_window, output)
+        return output
     # Half-precision queries compute in float32 (see _compute_dtype); the pages are cast as gathered.
     compute_query = query.to(_compute_dtype(query.dtype))
     # Row N: padding, which only prompt units read (decode tokens index their own rows).
@@ -218,17 +229,28 @@ def invariant_attention(
         padded_query = torch.cat((padded_query, padded_query.new_zeros((1, num_heads, head_dim))))
     output = padded_query.new_empty((num_tokens + 1, num_heads, head_dim))
     if layout.native is not None:
-        kernel = decode_kernel()
-        if kernel is None:
-            raise RuntimeError("a native decode layout, but the native decode kernel is not loaded")
-        native = layout.native
-        kernel(padded_query, kv_layer, native.token_index, native.positions, native.block_table, scale,
-               sliding_window or 0, output)  # fmt: skip
+        _native_attention(padded_query, kv_layer, layout.native, scale, sliding_window, output)
     for part in layout.slices:
         decode_attention(padded_query, kv_layer, part, scale, output, sliding_window)
     for prompt in layout.prompts:
         _prompt_attention(padded_query, kv_layer, prompt, scale, output, sliding_window)
     return output[:num_tokens].to(query.dtype)
+
+
+def _native_attention(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    native: NativeDecode,
+    scale: float,
+    sliding_window: int | None,
+    output: torch.Tensor,
+) -> None:
+    """The compiled kernel's rows of `output` (engine/native/kernels.cpp)."""
+    kernel = decode_kernel()
+    if kernel is None:
+        raise RuntimeError("a native decode layout, but the native decode kernel is not loaded")
+    kernel(query, kv_layer, native.token_index, native.positions, native.block_table, scale, sliding_window or 0,
+           output)  # fmt: skip
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

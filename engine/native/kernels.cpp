@@ -208,9 +208,9 @@ inline bf32 bfloat16_pairs(const float*) { return bf32{}; }
 // that read 16 requests' keys in 0.74 ms a layer against 0.83 (float32; 0.72 against 0.81
 // bfloat16). Where the tokens are fewer than two per thread (a lone greedy request), an item is
 // one (token, kv head) so that every thread has work. The sums are the same either way.
-template <typename kv_t, int64_t NV>
-void run_float(const float* query, const kv_t* kv, const int64_t* token_index, const int64_t* positions,
-               const int64_t* block_table, float* output, const Layout& s) {
+template <typename q_t, typename kv_t, int64_t NV>
+void run_float(const q_t* query, const kv_t* kv, const int64_t* token_index, const int64_t* positions,
+               const int64_t* block_table, q_t* output, const Layout& s) {
   constexpr int64_t L = 16;
   constexpr bool kPairs = kBfloat16Pairs && std::is_same_v<kv_t, c10::BFloat16> && NV % 2 == 0 && NV > 0;
   constexpr int64_t NP = kPairs ? NV / 2 : 1;  // a row's vectors of 32 bfloat16
@@ -240,9 +240,15 @@ void run_float(const float* query, const kv_t* kv, const int64_t* token_index, c
       const int64_t first = first_key(position, s.window);
       const int64_t count = position - first + 1, num_blocks = (count + L - 1) / L;
       const int64_t* pages = block_table + unit * s.max_pages;
-      const float* query_row = query + token * s.query_row_stride + h0 * group * dim;
+      const q_t* query_row = query + token * s.query_row_stride + h0 * group * dim;
       if constexpr (kPairs) {
-        for (int64_t r = 0; r < rows * NP; ++r) q_pairs[r] = bfloat16_pairs(query_row + r * 32);
+        for (int64_t r = 0; r < rows * NP; ++r) {
+          if constexpr (std::is_same_v<q_t, float>) {
+            q_pairs[r] = bfloat16_pairs(query_row + r * 32);
+          } else {
+            std::memcpy(&q_pairs[r], query_row + r * 32, sizeof(bf32));
+          }
+        }
       } else {
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t v = 0; v < num_vectors; ++v) {
@@ -340,22 +346,22 @@ void run_float(const float* query, const kv_t* kv, const int64_t* token_index, c
           }
         }
       }
-      float* output_row = output + token * s.output_row_stride + h0 * group * dim;
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t d = 0; d < dim; ++d) output_row[r * dim + d] = acc[r * num_vectors + d / L][d % L] / totals[r];
+      q_t* output_row = output + token * s.output_row_stride + h0 * group * dim;
+      for (int64_t r = 0; r < rows; ++r) {  // a bfloat16 output rounds as torch's .to() does (to nearest even)
+        for (int64_t d = 0; d < dim; ++d) output_row[r * dim + d] = q_t(acc[r * num_vectors + d / L][d % L] / totals[r]);
       }
     }
   });
 }
 
-template <typename kv_t>
-void dispatch_float(const float* query, const kv_t* kv, const int64_t* token_index, const int64_t* positions,
-                    const int64_t* block_table, float* output, const Layout& s) {
+template <typename q_t, typename kv_t>
+void dispatch_float(const q_t* query, const kv_t* kv, const int64_t* token_index, const int64_t* positions,
+                    const int64_t* block_table, q_t* output, const Layout& s) {
   switch (s.head_dim) {
-    case 64: return run_float<kv_t, 4>(query, kv, token_index, positions, block_table, output, s);
-    case 128: return run_float<kv_t, 8>(query, kv, token_index, positions, block_table, output, s);
-    case 256: return run_float<kv_t, 16>(query, kv, token_index, positions, block_table, output, s);
-    default: return run_float<kv_t, 0>(query, kv, token_index, positions, block_table, output, s);
+    case 64: return run_float<q_t, kv_t, 4>(query, kv, token_index, positions, block_table, output, s);
+    case 128: return run_float<q_t, kv_t, 8>(query, kv, token_index, positions, block_table, output, s);
+    case 256: return run_float<q_t, kv_t, 16>(query, kv, token_index, positions, block_table, output, s);
+    default: return run_float<q_t, kv_t, 0>(query, kv, token_index, positions, block_table, output, s);
   }
 }
 
@@ -468,6 +474,8 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_layer, const
     dispatch_float(query.data_ptr<float>(), kv_layer.data_ptr<float>(), tokens, position_ptr, table, output.data_ptr<float>(), layout);
   } else if (query.scalar_type() == at::kFloat && kv_type == at::kBFloat16) {
     dispatch_float(query.data_ptr<float>(), kv_layer.data_ptr<c10::BFloat16>(), tokens, position_ptr, table, output.data_ptr<float>(), layout);
+  } else if (query.scalar_type() == at::kBFloat16 && kv_type == at::kBFloat16) {  // computes in float32
+    dispatch_float(query.data_ptr<c10::BFloat16>(), kv_layer.data_ptr<c10::BFloat16>(), tokens, position_ptr, table, output.data_ptr<c10::BFloat16>(), layout);
   } else if (query.scalar_type() == at::kFloat && kv_type == at::kHalf) {
     dispatch_float(query.data_ptr<float>(), kv_layer.data_ptr<c10::Half>(), tokens, position_ptr, table, output.data_ptr<float>(), layout);
   } else if (query.scalar_type() == at::kDouble && kv_type == at::kDouble) {

@@ -131,7 +131,8 @@ def test_a_bfloat16_pool_is_the_float32_dot_product_of_its_values(head_dim: int)
     """A bfloat16 pool's scores (with AVX512-BF16, by bfloat16 dot-product instructions on the
     pages' own bits where the head dim is whole 32-value vectors: 64 and 128 here; 80 widens each
     value first) are the float32 sums of the same values in another order: equal to the kernel's
-    output over a float32 copy of the pool to float32 rounding, not bfloat16's."""
+    output over a float32 copy of the pool to float32 rounding, not bfloat16's. Given bfloat16
+    queries it writes bfloat16 rows, those of the float32 output rounded."""
     generator = torch.Generator().manual_seed(head_dim)
     seqs, groups = batch(32)
     kv_layer = torch.randn(50, 2, 32, 3, head_dim, generator=generator).to(torch.bfloat16)
@@ -147,6 +148,11 @@ def test_a_bfloat16_pool_is_the_float32_dot_product_of_its_values(head_dim: int)
         query.float(), kv_layer, native.token_index, native.positions, native.block_table, 0.125, 0, output
     )
     torch.testing.assert_close(output, wide, atol=2e-6, rtol=2e-6)
+    # bfloat16 queries in, bfloat16 out (what invariant_attention passes): the float32 call's bits, rounded
+    direct = torch.empty(len(seqs), 9, head_dim, dtype=torch.bfloat16)
+    kernel(query, kv_layer, native.token_index, native.positions, native.block_table, 0.125, 0, direct)
+    assert same_bits(direct, output.to(torch.bfloat16))
+    assert same_bits(rows(seqs, groups, query, kv_layer, True, None), direct)
     if head_dim % 32 == 0 and "avx512_bf16" in native_kernels._cpu_flags().split():
         off_grid = query.float() + 1e-3  # no longer bfloat16 values: their pairs would round them
         with pytest.raises(RuntimeError, match="a bfloat16 pool's queries must be bfloat16 values"):
