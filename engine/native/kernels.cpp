@@ -3,8 +3,8 @@
 //
 // A work item reads only its own token's query rows, its own pages and its own position, and sums
 // in one fixed order: the dot products lane by lane (LANES partial sums over the head dim, or over
-// its pairs of dims for bfloat16 pages, then a fixed pairwise tree), the softmax denominator and P @ V key by key from the window's first key to
-// the token's position. Nothing in it depends on the other tokens of the call, on the thread that
+// its pairs of dims for bfloat16 pages, then a fixed pairwise tree), the softmax denominator and
+// P @ V key by key from the window's first key to the token's position. Nothing in it depends on the other tokens of the call, on the thread that
 // runs it or on the number of threads: its bits are those of the token computed alone.
 // engine/native_kernels.py builds and loads this file; engine/invariant_attention.py calls it, and
 // engine/models/decoder.py's RMSNorm calls rms_norm below.
@@ -173,8 +173,8 @@ struct Layout {
 // own bits, 16 lanes of dim pairs (2l, 2l + 1), (32 + 2l, 33 + 2l), ... summed in float32, then the
 // lane tree; the scale multiplies the summed score. Each product of two bfloat16 values is exact in
 // float32, so this is the float32 dot product in another (fixed) order, and it spares widening
-// every key to float32 first: a layer's 16 requests 18.2 against 21.3 ms for 30 calls with the
-// pool out of the caches (11.9 against 25.9 with it in). The queries are bfloat16 values (the
+// every key to float32 first: a layer's 16 requests 17.3 against 20.5 ms for 30 calls with the
+// pool out of the caches (11.9 against 15.1 with it in). The queries are bfloat16 values (the
 // model's dtype; a query that is not one is refused, as its pairs would round it).
 typedef uint16_t bf32 __attribute__((vector_size(64)));  // 32 bfloat16 bit patterns
 #if defined(__AVX512BF16__)
