@@ -4,8 +4,9 @@
 // A work item reads only its own token's query rows, its own pages and its own position, and sums
 // in one fixed order: the dot products lane by lane (LANES partial sums over the head dim, or over
 // its pairs of dims for bfloat16 pages, then a fixed pairwise tree), the softmax denominator and
-// P @ V key by key from the window's first key to the token's position. Nothing in it depends on the other tokens of the call, on the thread that
-// runs it or on the number of threads: its bits are those of the token computed alone.
+// P @ V key by key from the window's first key to the token's position. Nothing in it depends on
+// the other tokens of the call, on the thread that runs it or on the number of threads: its bits
+// are those of the token computed alone.
 // engine/native_kernels.py builds and loads this file; engine/invariant_attention.py calls it, and
 // engine/models/decoder.py's RMSNorm calls rms_norm below.
 
