@@ -82,8 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype",
         default="float64",
-        choices=("float32", "float64"),
-        help="dtype of every server (default: float64, the exact-parity setting)",
+        choices=("float32", "float64", "bfloat16"),
+        help="dtype of every server (default: float64, the exact-parity setting; bfloat16 is the "
+        "fastest on a CPU with native bfloat16, and its disaggregated beams equal the aggregated ones too)",
     )
     parser.add_argument(
         "--startup-timeout-s",
