@@ -162,6 +162,11 @@ inline int64_t first_key(int64_t position, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
 }
 
+// An item's work for parallel_by_work: the keys its token reads, plus `fixed` for its fixed costs
+inline int64_t item_work(int64_t position, int64_t window, int64_t fixed) {
+  return position - first_key(position, window) + 1 + fixed;
+}
+
 struct Layout {
   int64_t num_units, num_heads, num_kv_heads, head_dim, tokens_per_block;
   int64_t query_row_stride, output_row_stride, block_stride, max_pages;
@@ -251,11 +256,8 @@ void run_float(const q_t* query, const kv_t* kv, const int64_t* token_index, con
   // thread two or more (each key's row of all heads is then read as one run), else one head.
   const int64_t heads = s.num_units >= 2 * at::get_num_threads() ? s.num_kv_heads : 1;
   const int64_t items_per_unit = s.num_kv_heads / heads, rows = heads * group;
-  const auto keys_of = [&](int64_t item) {
-    const int64_t position = positions[item / items_per_unit];
-    return position - first_key(position, s.window) + 1 + L;  // + L: an item's fixed costs
-  };
-  parallel_by_work(s.num_units * items_per_unit, keys_of, [&](int64_t begin, int64_t end) {
+  const auto work = [&](int64_t item) { return item_work(positions[item / items_per_unit], s.window, L); };
+  parallel_by_work(s.num_units * items_per_unit, work, [&](int64_t begin, int64_t end) {
     std::vector<f16> q(rows * num_vectors), acc(rows * num_vectors), partial(rows * L);
     std::vector<bf32> q_pairs(kPairs ? rows * NP : 0);
     f16 keys[kMaxVectors];
@@ -404,11 +406,8 @@ void run(const acc_t* query, const kv_t* kv, const int64_t* token_index, const i
   const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim, T = s.tokens_per_block;
   const int64_t num_vectors = (dim + L - 1) / L;
   const int64_t row = s.num_kv_heads * dim;  // one token's keys (or values) in a block
-  const auto keys_of = [&](int64_t item) {
-    const int64_t position = positions[item / s.num_kv_heads];
-    return position - first_key(position, s.window) + 1 + L;
-  };
-  parallel_by_work(s.num_units * s.num_kv_heads, keys_of, [&](int64_t begin, int64_t end) {
+  const auto work = [&](int64_t item) { return item_work(positions[item / s.num_kv_heads], s.window, L); };
+  parallel_by_work(s.num_units * s.num_kv_heads, work, [&](int64_t begin, int64_t end) {
     std::vector<vec> q(group * num_vectors), acc(group * num_vectors), keys(num_vectors);
     std::vector<acc_t> scores;
     for (int64_t item = begin; item < end; ++item) {
