@@ -213,11 +213,12 @@ def invariant_attention(
     if (
         layout.native is not None
         and not (layout.slices or layout.prompts)
-        and query.dtype == kv_layer.dtype != torch.float16
+        and query.dtype == kv_layer.dtype
+        and query.dtype in _NATIVE_QUERY_DTYPES
     ):
         # Only the compiled kernel: it takes the query and writes the output in the pool's dtype
         # (bfloat16 computes in float32 inside and rounds as .to() does: the same bits, without
-        # the two conversions; float16 queries it takes in float32 only)
+        # the two conversions)
         output = torch.empty_like(query, memory_format=torch.contiguous_format)
         _native_attention(query.contiguous(), kv_layer, layout.native, scale, sliding_window, output)
         return output
@@ -235,6 +236,11 @@ def invariant_attention(
     for prompt in layout.prompts:
         _prompt_attention(padded_query, kv_layer, prompt, scale, output, sliding_window)
     return output[:num_tokens].to(query.dtype)
+
+
+# Query dtypes the compiled kernel takes as they are, with a pool of the same dtype (a float16
+# pool's queries go in as float32: engine/native/kernels.cpp's decode_attention)
+_NATIVE_QUERY_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _native_attention(
