@@ -182,8 +182,9 @@ def onednn_linear_if_independent(
     out features, dtype, device type, threads), else None. `weight`: [out, in], dense or packed."""
     if onednn_rows_are_independent(*shape):
         num_rows = hidden.shape[0]
-        padded = pad_rows(hidden, ONEDNN_MIN_ROWS) if num_rows < ONEDNN_MIN_ROWS else hidden
-        return onednn_inner_product(padded, weight)[:num_rows]
+        if num_rows >= ONEDNN_MIN_ROWS:
+            return onednn_inner_product(hidden, weight)
+        return onednn_inner_product(pad_rows(hidden, ONEDNN_MIN_ROWS), weight)[:num_rows]
     sizes = onednn_call_sizes(*shape)
     if sizes:
         return onednn_chunked(hidden, weight, sizes)

@@ -57,6 +57,10 @@ class PackedLinear(nn.Module):
         self.packed_weight = packed_weight
         self.bias = bias
         self._shared = shared
+        # The thread count at which the any-M check was last seen to hold for this (unchunked)
+        # layer: forward then makes the one call straight away. A decode step makes 121 of these
+        # calls; the shape key and the check's lookup cost about 6 us of each.
+        self._independent_at: int | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, shared: bool, chunked: bool = False) -> PackedLinear:
@@ -74,17 +78,25 @@ class PackedLinear(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2:
             raise ValueError(f"PackedLinear takes [rows, features], got shape {tuple(hidden.shape)}")
-        shape = (
-            self.in_features, self.out_features, self.packed_weight.dtype, hidden.device.type, torch.get_num_threads()
-        )  # fmt: skip
-        sizes = onednn_calls.onednn_call_sizes(*shape) if self.chunked else ()
-        if sizes:
-            output: torch.Tensor | None = onednn_calls.onednn_chunked(hidden, self.packed_weight, sizes)
+        threads = torch.get_num_threads()
+        if threads == self._independent_at and hidden.shape[0] >= onednn_calls.ONEDNN_MIN_ROWS:
+            output: torch.Tensor | None = onednn_calls.onednn_inner_product(hidden, self.packed_weight)
         else:
-            output = onednn_calls.onednn_linear_if_independent(hidden, self.packed_weight, shape)
+            output = self._checked_call(hidden, threads)
         if output is not None:
             return output if self.bias is None else output + self.bias
         return batch_invariant.invariant_linear(hidden, self.weight, self.bias)
+
+    def _checked_call(self, hidden: torch.Tensor, threads: int) -> torch.Tensor | None:
+        """forward's oneDNN call(s) as its checks route them at `threads`, or None where neither
+        holds; notes the thread count where the any-M call may be made without asking again."""
+        shape = (self.in_features, self.out_features, self.packed_weight.dtype, hidden.device.type, threads)
+        sizes = onednn_calls.onednn_call_sizes(*shape) if self.chunked else ()
+        if sizes:
+            return onednn_calls.onednn_chunked(hidden, self.packed_weight, sizes)
+        if hidden.device.type == "cpu" and onednn_calls.onednn_rows_are_independent(*shape):
+            self._independent_at = threads
+        return onednn_calls.onednn_linear_if_independent(hidden, self.packed_weight, shape)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -106,3 +106,50 @@ def test_packed_layer_computes_what_the_dense_one_does(dtype: torch.dtype) -> No
         assert torch.equal(layer(rows), invariant_linear(rows, weight, bias)), num_rows
     with pytest.raises(ValueError, match=r"\[rows, features\]"):
         layer(torch.zeros(2, 3, 64, dtype=dtype))
+
+
+def test_the_direct_call_is_made_only_where_the_check_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """forward skips the checks' lookup at a thread count where the any-M check held; at another
+    count it asks again, and where no oneDNN check holds there the rows take invariant_linear."""
+    generator = torch.Generator().manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    weight = model[0].weight.detach().clone()
+    warm_up_linear_layers(batch_invariant.make_batch_invariant(model))
+    layer = model[0]
+    assert isinstance(layer, PackedLinear)
+    rows = torch.randn(6, 64, generator=generator)
+    asked: list[int] = []
+    held = onednn_calls.onednn_rows_are_independent
+    threads = torch.get_num_threads()
+    other = threads + 1
+
+    def check(*shape: object) -> bool:
+        asked.append(shape[-1])  # type: ignore[arg-type]
+        return shape[-1] != other and held(*shape)  # type: ignore[arg-type]
+
+    invariant_calls: list[int] = []
+
+    def counted_invariant_linear(*args: torch.Tensor | None) -> torch.Tensor:
+        invariant_calls.append(1)
+        return invariant_linear(*args)  # type: ignore[arg-type]
+
+    sizes = onednn_calls.onednn_call_sizes
+    monkeypatch.setattr(onednn_calls, "onednn_rows_are_independent", check)
+    monkeypatch.setattr(
+        onednn_calls, "onednn_call_sizes", lambda *shape: () if shape[-1] == other else sizes(*shape)
+    )
+    monkeypatch.setattr(batch_invariant, "invariant_linear", counted_invariant_linear)
+    expected = invariant_linear(rows, weight, None)
+    assert torch.equal(layer(rows), expected) and asked == [threads] * len(asked) and asked
+    asked.clear()
+    for _ in range(3):
+        assert torch.equal(layer(rows), expected)
+    assert asked == [] and invariant_calls == []  # the direct call, nothing asked
+    torch.set_num_threads(other)
+    try:
+        assert torch.equal(layer(rows), expected)
+        assert other in asked and invariant_calls, (asked, invariant_calls)
+    finally:
+        torch.set_num_threads(threads)
+    asked.clear()
+    assert torch.equal(layer(rows), expected) and asked == []  # the first count's call is direct again
