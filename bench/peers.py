@@ -304,6 +304,7 @@ def run_benchmark(arguments: argparse.Namespace) -> dict[str, Any]:
     workload = make_workload(settings, config["vocab_size"])
     workload_file = Path(tempfile.mkdtemp(prefix="beamsplit-bench-peers-")) / "workload.json"
     workload_file.write_text(json.dumps(workload))
+    report["logs"] = str(workload_file.parent)
     peer_dirs: dict[str, Path | None] = {"transformers": model_dir, "openvino": None, "ctranslate2": None}
     peer_errors: dict[str, str] = {}
     for kind in ("openvino", "ctranslate2"):
@@ -316,7 +317,7 @@ def run_benchmark(arguments: argparse.Namespace) -> dict[str, Any]:
             peer_errors[kind] = str(error)
     results: dict[str, dict[str, Any]] = {}
     reference: list[list[int]] | None = None
-    _say("phase 3/4: the systems, one after the other")
+    _say(f"phase 3/4: the systems, one after the other (workload and server logs in {workload_file.parent})")
     for precision in precision_names:
         systems: dict[str, Any] = results.setdefault(precision, {})
         for system in (

@@ -122,3 +122,6 @@ def test_quick_run_measures_beamsplit_and_transformers(tmp_path: Path) -> None:
     assert report["bf16"].startswith(("bfloat16 skipped", "native")) and Path(report["plots"][0]).is_file()
     for phase in ("phase 1/4", "phase 2/4", "phase 3/4", "phase 4/4"):
         assert phase in result.stderr
+    # The servers' logs stay for reading, and the report and the progress say where
+    logs = Path(report["logs"])
+    assert str(logs) in result.stderr and any(logs.glob("aggregated-float32/*.log")), sorted(logs.rglob("*"))
