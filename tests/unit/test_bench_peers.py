@@ -79,6 +79,23 @@ def test_a_failed_system_is_reported_by_its_exception_line() -> None:
     assert peers.failure_reason(-9, "") == "exit -9: no output on stderr"
 
 
+def test_the_batch_repeats_on_prompts_of_its_own() -> None:
+    """The throughput's repeats: as many batches as repeats, the first the batch whose top beams are
+    compared, each of the same lengths and none sharing a prompt (beamsplit's prefix cache would
+    serve a repeat); the other prompts are those drawn before the repeats existed."""
+    peers = bench.load_bench_module("peers")
+    workload = peers.make_workload(peers.FULL, 49152)
+    batches = workload["batches"]
+    assert len(batches) == peers.FULL["repeats"] == 3 and batches[0] is workload["batch"]
+    lengths = [len(prompt) for prompt in workload["batch"]]
+    assert all([len(prompt) for prompt in batch] == lengths for batch in batches)
+    firsts = {tuple(prompt[:8]) for batch in batches for prompt in batch}
+    assert len(firsts) == 3 * len(lengths)
+    without = dict(peers.FULL, repeats=1)
+    assert peers.make_workload(without, 49152)["batch"] == workload["batch"]
+    assert peers.make_workload(without, 49152)["single"] == workload["single"]
+
+
 def test_cli_registers_peers_with_its_flags() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
@@ -104,6 +121,7 @@ def test_quick_run_measures_beamsplit_and_transformers(tmp_path: Path) -> None:
     for name in ("transformers", "beamsplit-aggregated", "beamsplit-disaggregated"):
         assert "error" not in systems[name], (name, systems[name])
         assert systems[name]["beam_tokens_per_s"] > 0 and systems[name]["rss_bytes"] > 0
+        assert systems[name]["batch_s"] == systems[name]["batch_runs_s"][0]  # --quick: one batch
     for name in ("openvino", "ctranslate2"):
         assert "no peer venv" in systems[name]["error"]
     # Exact beam search on the same weights: every top beam equals transformers float32's.
