@@ -2,7 +2,9 @@
 
     beamsplit bench peers [--json] [--quick] [--threads N]   (or: python bench/peers.py ...)
 
-Systems, each in its own process(es), never two at once, with the same thread count: beamsplit
+Systems, each in its own process(es), never two at once, with the same thread count, in rounds
+(every system and precision once a round, started afresh each time; 3 rounds, medians over them,
+so that the shared host's drift between minutes falls on all of them alike): beamsplit
 aggregated and disaggregated through their HTTP front (`use_beam_search`, `ignore_eos`),
 transformers `generate`, OpenVINO GenAI's ContinuousBatchingPipeline and CTranslate2's
 `generate_batch` (bench/peers_systems.py). Precisions: float32, and bfloat16 where the CPU has
@@ -13,8 +15,8 @@ installed on first use). `--quick`: a 2-layer random Llama, short prompts and fe
 peer but transformers unless the peers' venv is already there (the test suite runs it).
 
 Per system and precision: one request alone (a 256-token prompt, beam 4, 64 new tokens; the
-first, cold, then the median of 3 warm ones, each with a prompt of its own so that no prefix cache
-answers), 16 requests at once (prompts of 69 to 357 tokens, seeded,
+first of each round, cold, then a warm one, each round's with a prompt of its own so that no prefix
+cache answers; the median of the rounds' warm ones), 16 requests at once (prompts of 69 to 357 tokens, seeded,
 beam 4, 64 new tokens), TTFT and inter-token latency of a streamed greedy request (beamsplit:
 beams are decided at the end, so only greedy streams), resident memory, top-beam agreement with
 transformers float32, ratios to the fastest peer; the host's limits (a large GEMM's FLOP/s, the
@@ -56,6 +58,7 @@ STARTUP_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 900.0
 SYSTEM_TIMEOUT_S = 3600.0
 KV_CACHE_GIB = 1.0
+SYSTEMS = ("transformers", "openvino", "ctranslate2", "beamsplit-aggregated", "beamsplit-disaggregated")
 
 
 def _say(message: str) -> None:
@@ -84,13 +87,25 @@ def make_workload(settings: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     # which measures the cache, not a warm engine against a cold one.
     workload["warm_singles"] = [prompt(settings["single_prompt_len"]) for _ in range(settings["repeats"])]
     workload["stream"] = prompt(settings["single_prompt_len"])
-    # The batch runs `repeats` times and its median wall time gives the throughput (one run on a
-    # shared host drifts by a tenth between minutes); each run's prompts are its own, of the same
-    # lengths, for the prefix cache's reason above. Drawn last: the prompts above stay as they were.
+    # The batch runs once a round, `repeats` rounds, and its median wall time gives the throughput
+    # (one run on a shared host drifts by a tenth between minutes); each run's prompts are its own,
+    # of the same lengths, for the prefix cache's reason above. Drawn last: the prompts above stay
+    # as they were.
     workload["batches"] = [workload["batch"]] + [
         [prompt(length) for length in lengths] for _ in range(settings["repeats"] - 1)
     ]
     return workload
+
+
+def round_workload(workload: dict[str, Any], index: int) -> dict[str, Any]:
+    """Round `index`'s part of the workload: the cold request and the streamed one as every round's
+    (each round starts every system afresh), its own warm single request and its own batch."""
+    return {
+        **workload,
+        "warm_singles": [workload["warm_singles"][index]],
+        "batches": [workload["batches"][index]],
+        "repeats": 1,
+    }
 
 
 # ---- beamsplit through its HTTP front --------------------------------------------------------------
@@ -312,9 +327,9 @@ def run_benchmark(arguments: argparse.Namespace) -> dict[str, Any]:
     report["model"] = model
     config = json.loads((model_dir / "config.json").read_text())
     workload = make_workload(settings, config["vocab_size"])
-    workload_file = Path(tempfile.mkdtemp(prefix="beamsplit-bench-peers-")) / "workload.json"
-    workload_file.write_text(json.dumps(workload))
-    report["logs"] = str(workload_file.parent)
+    logs = Path(tempfile.mkdtemp(prefix="beamsplit-bench-peers-"))
+    (logs / "workload.json").write_text(json.dumps(workload))
+    report["logs"] = str(logs)
     peer_dirs: dict[str, Path | None] = {"transformers": model_dir, "openvino": None, "ctranslate2": None}
     peer_errors: dict[str, str] = {}
     for kind in ("openvino", "ctranslate2"):
@@ -325,36 +340,59 @@ def run_benchmark(arguments: argparse.Namespace) -> dict[str, Any]:
             peer_dirs[kind] = setup.converted(kind, model_dir, model_name, peer_python, _say, cache_dir)
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
             peer_errors[kind] = str(error)
+    # Every system once a round, the rounds one after the other: a drift of the shared host between
+    # minutes (a batch's time moved by a tenth) then falls on every system and precision alike,
+    # where running each system's repeats back to back gave it to whichever ran in that minute.
+    num_rounds = settings["repeats"]
+    raws: dict[str, dict[str, list[dict[str, Any]]]] = {
+        precision: {system: [] for system in SYSTEMS} for precision in precision_names
+    }
+    _say(
+        f"phase 3/4: the systems one after the other, {num_rounds} round(s) (workload and server logs in {logs})"
+    )
+
+    def run_once(system: str, precision: str, index: int, round_file: Path) -> dict[str, Any]:
+        """One round of one system: its raw timings, or {"error": why}."""
+        if system.startswith("beamsplit-"):
+            page_bytes = model["kv_bytes_per_token_f32"] * 32 // (2 if precision == "bfloat16" else 1)
+            try:
+                return run_beamsplit(system.split("-")[1], str(model_dir), precision, threads,
+                                     round_workload(workload, index), logs / f"round-{index + 1}", page_bytes)  # fmt: skip
+            except (RuntimeError, OSError) as error:
+                return {"error": str(error)[-300:]}
+        directory = peer_dirs[system]
+        if directory is None:
+            return {"error": peer_errors[system]}
+        python = Path(sys.executable) if system == "transformers" else peer_python
+        assert python is not None
+        return run_peer(system, python, directory, precision, threads, round_file)
+
+    tokens = len(workload["batch"]) * workload["beam_width"] * workload["max_new_tokens"]
+    for index in range(num_rounds):
+        round_file = logs / f"workload-round-{index + 1}.json"
+        round_file.write_text(json.dumps(round_workload(workload, index)))
+        for precision in precision_names:
+            for system in SYSTEMS:
+                done = raws[precision][system]
+                if done and "error" in done[-1]:
+                    continue  # failed in an earlier round: not tried again
+                started = time.monotonic()
+                raw = run_once(system, precision, index, round_file)
+                done.append(raw)
+                where = f"round {index + 1}/{num_rounds}: {system} {precision}"
+                if "error" in raw:
+                    _say(f"{where}: skipped ({raw['error'][:200]})")
+                else:
+                    _say(f"{where}: alone {statistics.median(raw['single_s']):.2f} s, "
+                         f"{tokens / raw['batch_s']:.1f} beam tokens/s ({time.monotonic() - started:.0f} s)")  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     reference: list[list[int]] | None = None
-    _say(f"phase 3/4: the systems, one after the other (workload and server logs in {workload_file.parent})")
     for precision in precision_names:
         systems: dict[str, Any] = results.setdefault(precision, {})
-        for system in (
-            "transformers",
-            "openvino",
-            "ctranslate2",
-            "beamsplit-aggregated",
-            "beamsplit-disaggregated",
-        ):
-            _say(f"{system} {precision} ...")
-            started = time.monotonic()
-            if system.startswith("beamsplit-"):
-                try:
-                    page_bytes = model["kv_bytes_per_token_f32"] * 32 // (2 if precision == "bfloat16" else 1)
-                    raw = run_beamsplit(system.split("-")[1], str(model_dir), precision, threads, workload,
-                                        workload_file.parent, page_bytes)  # fmt: skip
-                except (RuntimeError, OSError) as error:
-                    raw = {"error": str(error)[-300:]}
-            elif peer_dirs[system] is None:
-                raw = {"error": peer_errors[system]}
-            else:
-                python = Path(sys.executable) if system == "transformers" else peer_python
-                assert python is not None
-                raw = run_peer(system, python, peer_dirs[system], precision, threads, workload_file)  # type: ignore[arg-type]
+        for system in SYSTEMS:
+            raw = rules.merge_rounds(raws[precision][system])
             if "error" in raw:
                 systems[system] = raw
-                _say(f"{system} {precision}: skipped ({raw['error'][:200]})")
                 continue
             figures = rules.system_figures(
                 raw, len(workload["batch"]), workload["max_new_tokens"], workload["beam_width"]
@@ -374,8 +412,6 @@ def run_benchmark(arguments: argparse.Namespace) -> dict[str, Any]:
                     weight_bytes + figures["kv_pool_bytes"]
                 )
             systems[system] = figures
-            _say(f"{system} {precision}: alone {figures['single_request_s']:.2f} s, "
-                 f"{figures['beam_tokens_per_s']:.1f} beam tokens/s ({time.monotonic() - started:.0f} s)")  # fmt: skip
     _say("phase 4/4: ratios, goals, plot")
     rules.add_ratios(results)
     report["results"] = results

@@ -65,6 +65,31 @@ def measure_host_limits(precision_names: list[str], threads: int, quick: bool) -
     return limits
 
 
+def merge_rounds(raws: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's raw timings from its rounds (bench/peers.py runs every system once a round, the
+    rounds one after the other, so that a host's drift between minutes falls on every system alike):
+    the lists of timings joined in round order, the batch's median over them, every other number's
+    median but resident memory's maximum, the first round's top beams; the first failed round's
+    error where one failed (named by its round where an earlier one did not fail)."""
+    for index, raw in enumerate(raws):
+        if "error" in raw:
+            return raw if index == 0 else {**raw, "error": f"round {index + 1}: {raw['error']}"}
+    merged: dict[str, Any] = {}
+    for key, first in raws[0].items():
+        values = [raw[key] for raw in raws if key in raw]
+        if key == "batch_top_beams" or not isinstance(first, (int, float, list)) or isinstance(first, bool):
+            merged[key] = first
+        elif isinstance(first, list):
+            merged[key] = [item for value in values for item in value]
+        elif "rss" in key:
+            merged[key] = max(values)
+        else:
+            merged[key] = statistics.median(values)
+    merged["batch_s"] = statistics.median(merged["batch_runs_s"])
+    merged["first_runs_s"] = [raw["first_s"] for raw in raws]
+    return merged
+
+
 def system_figures(raw: dict[str, Any], num_requests: int, new_tokens: int, width: int) -> dict[str, Any]:
     """One run's figures from its raw timings: single-request latency (median), throughput in beam
     tokens/s (every request's W beams x new tokens over the batch's wall time), first-request

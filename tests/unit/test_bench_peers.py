@@ -96,6 +96,38 @@ def test_the_batch_repeats_on_prompts_of_its_own() -> None:
     assert peers.make_workload(without, 49152)["single"] == workload["single"]
 
 
+def test_each_round_takes_its_own_warm_request_and_batch() -> None:
+    peers = bench.load_bench_module("peers")
+    workload = peers.make_workload(peers.FULL, 49152)
+    rounds = [peers.round_workload(workload, index) for index in range(peers.FULL["repeats"])]
+    for index, part in enumerate(rounds):
+        assert part["warm_singles"] == [workload["warm_singles"][index]]
+        assert part["batches"] == [workload["batches"][index]] and part["repeats"] == 1
+        assert (part["single"], part["stream"]) == (workload["single"], workload["stream"])
+    assert workload["warm_singles"][0] != workload["warm_singles"][1]
+
+
+def test_rounds_merge_into_one_systems_timings(rules: Any) -> None:
+    """Timings joined in round order, the batch's and the other numbers' medians over the rounds,
+    resident memory's maximum, the first round's top beams; a failed round names itself."""
+    rounds = [
+        {"first_s": 3.0, "single_s": [2.0], "batch_runs_s": [10.0], "batch_s": 10.0, "itl_s": 0.05,
+         "rss_bytes": 100, "batch_top_beams": [[1, 2]], "num_engine_processes": 2},
+        {"first_s": 2.5, "single_s": [2.2], "batch_runs_s": [12.0], "batch_s": 12.0, "itl_s": 0.07,
+         "rss_bytes": 300, "batch_top_beams": [[1, 3]], "num_engine_processes": 2},
+        {"first_s": 2.9, "single_s": [2.1], "batch_runs_s": [11.0], "batch_s": 11.0, "itl_s": 0.06,
+         "rss_bytes": 200, "batch_top_beams": [[4, 2]], "num_engine_processes": 2},
+    ]  # fmt: skip
+    merged = rules.merge_rounds(rounds)
+    assert merged["single_s"] == [2.0, 2.2, 2.1] and merged["batch_runs_s"] == [10.0, 12.0, 11.0]
+    assert (merged["batch_s"], merged["first_s"], merged["itl_s"]) == (11.0, 2.9, 0.06)
+    assert merged["first_runs_s"] == [3.0, 2.5, 2.9] and merged["rss_bytes"] == 300
+    assert merged["batch_top_beams"] == [[1, 2]] and merged["num_engine_processes"] == 2
+    failed = rules.merge_rounds([rounds[0], {"error": "exit 1: MemoryError"}])
+    assert failed["error"] == "round 2: exit 1: MemoryError"
+    assert rules.merge_rounds([{"error": "no peer venv"}]) == {"error": "no peer venv"}
+
+
 def test_cli_registers_peers_with_its_flags() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
@@ -142,4 +174,6 @@ def test_quick_run_measures_beamsplit_and_transformers(tmp_path: Path) -> None:
         assert phase in result.stderr
     # The servers' logs stay for reading, and the report and the progress say where
     logs = Path(report["logs"])
-    assert str(logs) in result.stderr and any(logs.glob("aggregated-float32/*.log")), sorted(logs.rglob("*"))
+    assert str(logs) in result.stderr and any(logs.glob("round-1/aggregated-float32/*.log")), sorted(
+        logs.rglob("*")
+    )
