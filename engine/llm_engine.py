@@ -270,6 +270,12 @@ class LLMEngine(ContextSide, GenerationSide):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ready_outputs)
 
+    @property
+    def has_ready_outputs(self) -> bool:
+        """The next step() only returns outputs decided outside it (a pulled request's first
+        token): no forward pass, no need of the cores."""
+        return bool(self._ready_outputs)
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         """Runs one request to completion (offline). Other requests in the engine advance too."""
         request_id = f"generate-{next(self._request_counter)}"

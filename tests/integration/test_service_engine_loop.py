@@ -24,16 +24,24 @@ class ScriptedEngine:
         self.threads: set[str] = set()
         self.fail_next_step = False
         self.drop: set[str] = set()
+        self.ready: list[RequestOutput] = []  # outputs the next step returns alone, as LLMEngine's
+
+    @property
+    def has_ready_outputs(self) -> bool:
+        return bool(self.ready)
 
     def add(self, request_id: str) -> None:
         self.threads.add(threading.current_thread().name)
         self.remaining[request_id] = self.num_steps
 
     def has_unfinished(self) -> bool:
-        return bool(self.remaining)
+        return bool(self.remaining) or bool(self.ready)
 
     def step(self) -> list[RequestOutput]:
         self.threads.add(threading.current_thread().name)
+        if self.ready:
+            outputs, self.ready = self.ready, []
+            return outputs
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("step failed")
@@ -163,6 +171,36 @@ def test_a_loop_with_a_core_lease_steps_only_in_its_turn(tmp_path: Path) -> None
             loop.call(lambda owned: owned.add("r"), timeout_s=5.0)  # commands need no turn
             with pytest.raises(queue.Empty):
                 stream.get(timeout_s=0.3)  # the step waits for the turn
+            assert engine.remaining == {"r": 1}
+        output = stream.get(timeout_s=5.0)
+        assert output is not None and output.finished and not engine.remaining
+    finally:
+        loop.stop()
+        other.close()
+
+
+def test_a_step_without_a_forward_pass_takes_no_turn(tmp_path: Path) -> None:
+    """A pulled request's first token (an output decided outside the step) reaches its stream
+    while the other worker holds the cores; the request's next step, a forward pass, waits."""
+    from beamsplit.server.core_lease import CoreLease
+
+    other = CoreLease(tmp_path / "cores.lock")
+    engine = ScriptedEngine(num_steps=1)
+    loop = EngineLoop(engine, core_lease=CoreLease(tmp_path / "cores.lock"))
+    loop.start()
+    try:
+        with other.turn():
+            stream = loop.open_stream("r")
+
+            def pulled(owned: ScriptedEngine) -> None:
+                owned.ready.append(RequestOutput("r", [[5]], False))
+                owned.add("r")
+
+            loop.call(pulled, timeout_s=5.0)
+            first = stream.get(timeout_s=5.0)
+            assert first is not None and first.new_token_ids == [[5]] and not first.finished
+            with pytest.raises(queue.Empty):
+                stream.get(timeout_s=0.3)  # the forward step waits for the turn
             assert engine.remaining == {"r": 1}
         output = stream.get(timeout_s=5.0)
         assert output is not None and output.finished and not engine.remaining

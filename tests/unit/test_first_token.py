@@ -22,8 +22,10 @@ def test_first_token_is_sent_without_a_forward_pass() -> None:
     generation.add_prefilled_request(
         reservation, prompt, params, prefilled.candidate_ids, prefilled.candidate_logprobs
     )
+    assert generation.has_ready_outputs  # the loop hands it out without a turn on shared cores
     with mock.patch.object(generation.runner, "forward", wraps=generation.runner.forward) as forward:
         first = generation.step()
+        assert not generation.has_ready_outputs
         assert forward.call_count == 0
         assert [output.request_id for output in first] == ["r"]
         assert not first[0].finished
