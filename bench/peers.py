@@ -351,13 +351,16 @@ def run_benchmark(arguments: argparse.Namespace) -> dict[str, Any]:
         f"phase 3/4: the systems one after the other, {num_rounds} round(s) (workload and server logs in {logs})"
     )
 
-    def run_once(system: str, precision: str, index: int, round_file: Path) -> dict[str, Any]:
-        """One round of one system: its raw timings, or {"error": why}."""
+    def run_once(
+        system: str, precision: str, index: int, part: dict[str, Any], round_file: Path
+    ) -> dict[str, Any]:
+        """One round of one system on the round's workload (`part`, written to `round_file` for the
+        peers): its raw timings, or {"error": why}."""
         if system.startswith("beamsplit-"):
             page_bytes = model["kv_bytes_per_token_f32"] * 32 // (2 if precision == "bfloat16" else 1)
             try:
-                return run_beamsplit(system.split("-")[1], str(model_dir), precision, threads,
-                                     round_workload(workload, index), logs / f"round-{index + 1}", page_bytes)  # fmt: skip
+                return run_beamsplit(system.split("-")[1], str(model_dir), precision, threads, part,
+                                     logs / f"round-{index + 1}", page_bytes)  # fmt: skip
             except (RuntimeError, OSError) as error:
                 return {"error": str(error)[-300:]}
         directory = peer_dirs[system]
@@ -369,15 +372,16 @@ def run_benchmark(arguments: argparse.Namespace) -> dict[str, Any]:
 
     tokens = len(workload["batch"]) * workload["beam_width"] * workload["max_new_tokens"]
     for index in range(num_rounds):
+        part = round_workload(workload, index)
         round_file = logs / f"workload-round-{index + 1}.json"
-        round_file.write_text(json.dumps(round_workload(workload, index)))
+        round_file.write_text(json.dumps(part))
         for precision in precision_names:
             for system in SYSTEMS:
                 done = raws[precision][system]
                 if done and "error" in done[-1]:
                     continue  # failed in an earlier round: not tried again
                 started = time.monotonic()
-                raw = run_once(system, precision, index, round_file)
+                raw = run_once(system, precision, index, part, round_file)
                 done.append(raw)
                 where = f"round {index + 1}/{num_rounds}: {system} {precision}"
                 if "error" in raw:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -156,57 +157,60 @@ def test_a_loop_run_in_its_caller_takes_commands_before_it_runs() -> None:
         EngineLoop(ScriptedEngine()).run_here()
 
 
-def test_a_loop_with_a_core_lease_steps_only_in_its_turn(tmp_path: Path) -> None:
+@pytest.fixture
+def leased_loop(tmp_path: Path) -> Iterator[tuple[Any, ScriptedEngine, EngineLoop]]:
+    """A started loop over a one-step scripted engine, with a core lease, and another holder of
+    the same lease (the other worker)."""
+    from beamsplit.server.core_lease import CoreLease
+
+    other = CoreLease(tmp_path / "cores.lock")
+    engine = ScriptedEngine(num_steps=1)
+    loop = EngineLoop(engine, core_lease=CoreLease(tmp_path / "cores.lock"))
+    loop.start()
+    try:
+        yield other, engine, loop
+    finally:
+        loop.stop()
+        other.close()
+
+
+def test_a_loop_with_a_core_lease_steps_only_in_its_turn(
+    leased_loop: tuple[Any, ScriptedEngine, EngineLoop],
+) -> None:
     """Each step waits for the process's turn on the shared cores: while another holder has them,
     commands still run (adds, aborts) but no step does; the step follows the release."""
-    from beamsplit.server.core_lease import CoreLease
-
-    other = CoreLease(tmp_path / "cores.lock")
-    engine = ScriptedEngine(num_steps=1)
-    loop = EngineLoop(engine, core_lease=CoreLease(tmp_path / "cores.lock"))
-    loop.start()
-    try:
-        with other.turn():
-            stream = loop.open_stream("r")
-            loop.call(lambda owned: owned.add("r"), timeout_s=5.0)  # commands need no turn
-            with pytest.raises(queue.Empty):
-                stream.get(timeout_s=0.3)  # the step waits for the turn
-            assert engine.remaining == {"r": 1}
-        output = stream.get(timeout_s=5.0)
-        assert output is not None and output.finished and not engine.remaining
-    finally:
-        loop.stop()
-        other.close()
+    other, engine, loop = leased_loop
+    with other.turn():
+        stream = loop.open_stream("r")
+        loop.call(lambda owned: owned.add("r"), timeout_s=5.0)  # commands need no turn
+        with pytest.raises(queue.Empty):
+            stream.get(timeout_s=0.3)  # the step waits for the turn
+        assert engine.remaining == {"r": 1}
+    output = stream.get(timeout_s=5.0)
+    assert output is not None and output.finished and not engine.remaining
 
 
-def test_a_step_without_a_forward_pass_takes_no_turn(tmp_path: Path) -> None:
+def test_a_step_without_a_forward_pass_takes_no_turn(
+    leased_loop: tuple[Any, ScriptedEngine, EngineLoop],
+) -> None:
     """A pulled request's first token (an output decided outside the step) reaches its stream
     while the other worker holds the cores; the request's next step, a forward pass, waits."""
-    from beamsplit.server.core_lease import CoreLease
+    other, engine, loop = leased_loop
 
-    other = CoreLease(tmp_path / "cores.lock")
-    engine = ScriptedEngine(num_steps=1)
-    loop = EngineLoop(engine, core_lease=CoreLease(tmp_path / "cores.lock"))
-    loop.start()
-    try:
-        with other.turn():
-            stream = loop.open_stream("r")
+    def pulled(owned: ScriptedEngine) -> None:
+        owned.ready.append(RequestOutput("r", [[5]], False))
+        owned.add("r")
 
-            def pulled(owned: ScriptedEngine) -> None:
-                owned.ready.append(RequestOutput("r", [[5]], False))
-                owned.add("r")
-
-            loop.call(pulled, timeout_s=5.0)
-            first = stream.get(timeout_s=5.0)
-            assert first is not None and first.new_token_ids == [[5]] and not first.finished
-            with pytest.raises(queue.Empty):
-                stream.get(timeout_s=0.3)  # the forward step waits for the turn
-            assert engine.remaining == {"r": 1}
-        output = stream.get(timeout_s=5.0)
-        assert output is not None and output.finished and not engine.remaining
-    finally:
-        loop.stop()
-        other.close()
+    with other.turn():
+        stream = loop.open_stream("r")
+        loop.call(pulled, timeout_s=5.0)
+        first = stream.get(timeout_s=5.0)
+        assert first is not None and first.new_token_ids == [[5]] and not first.finished
+        with pytest.raises(queue.Empty):
+            stream.get(timeout_s=0.3)  # the forward step waits for the turn
+        assert engine.remaining == {"r": 1}
+    output = stream.get(timeout_s=5.0)
+    assert output is not None and output.finished and not engine.remaining
 
 
 @pytest.mark.parametrize("takes_turns", [False, True])
