@@ -43,7 +43,13 @@ from engine.models.config import ModelConfig
 from engine.models.decoder import use_native_norms, use_native_rotary
 from engine.models.loader import load_model
 from engine.native_kernels import decode_kernel, norm_kernel, rotary_kernel
-from engine.packed_linear import CHECK_MODULES, checks_in_child, linear_checks, warm_up_linear_layers
+from engine.packed_linear import (
+    CHECK_MODULES,
+    checks_in_child,
+    collapse_packed_weights,
+    linear_checks,
+    warm_up_linear_layers,
+)
 from engine.request import Request, RequestState, Reservation, make_decoder, step_decoders
 from engine.request_checks import check_params, check_prompt
 from engine.sampling import candidates_from_logprobs
@@ -175,6 +181,14 @@ class LLMEngine(ContextSide, GenerationSide):
         # The de-quantized source tensors, the dense weights packing replaced and the checks'
         # random matrices are freed by now; hand their pages back (engine/heap.py).
         trim_heap()
+        if self.config.batch_invariant:
+            collapse_started = time.monotonic()
+            collapsed, packed = collapse_packed_weights(self.runner.model)
+            if packed:
+                logger.info(
+                    "packed weights on 2 MiB pages: %d of %d MiB, in %.1f s (engine/huge_pages.py)",
+                    collapsed >> 20, packed >> 20, time.monotonic() - collapse_started,
+                )  # fmt: skip
         return time.monotonic() - started
 
     # -- aggregated --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import engine.batch_invariant as batch_invariant
+import engine.huge_pages as huge_pages
 import engine.onednn_calls as onednn_calls
 from engine.kernel_facts import CheckChild, is_known, measure_in_child
 
@@ -187,6 +188,27 @@ def warm_up_linear_layers(model: nn.Module) -> int:
         num_threads, num_packed, time.monotonic() - started,
     )  # fmt: skip
     return num_packed
+
+
+def collapse_packed_weights(model: nn.Module) -> tuple[int, int]:
+    """Puts the model's packed weights on huge pages where the system can (engine/huge_pages.py);
+    returns (bytes collapsed, bytes packed)."""
+    collapsed = packed = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, PackedLinear) or module.packed_weight.device.type != "cpu":
+            continue
+        weight = module.packed_weight
+        if weight.is_mkldnn:
+            address, num_bytes = torch.ops.mkldnn.data_ptr(weight), torch.ops.mkldnn._nbytes(weight)
+        else:
+            address, num_bytes = weight.data_ptr(), weight.numel() * weight.element_size()
+        if address in seen:
+            continue
+        seen.add(address)
+        packed += num_bytes
+        collapsed += huge_pages.collapse(address, num_bytes)
+    return collapsed, packed
 
 
 def bytes_held(model: nn.Module) -> int:
