@@ -16,21 +16,21 @@ import functools
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def c_library() -> ctypes.CDLL | None:
+    """This process's C library (errno kept for ctypes.get_errno), or None where none is found."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        library = ctypes.CDLL(name)
+        return ctypes.CDLL(name, use_errno=True)
     except OSError:
         return None
-    return library if hasattr(library, "malloc_trim") else None  # glibc only (not musl, not macOS)
 
 
 def trim_heap() -> bool:
     """Returns the heap's free pages to the system where the C library can (glibc's malloc_trim);
     True when it released some memory."""
-    library = _libc()
-    if library is None:
+    library = c_library()
+    if library is None or not hasattr(library, "malloc_trim"):  # glibc only (not musl, not macOS)
         return False
     return bool(library.malloc_trim(0))

@@ -19,10 +19,11 @@ compacting 2 MiB) took 6 ms a page on the benchmark host.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 from collections.abc import Callable
+
+from engine.heap import c_library
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1+
@@ -30,15 +31,10 @@ MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1+
 
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
+    library = c_library()
+    if not sys.platform.startswith("linux") or library is None or not hasattr(library, "madvise"):
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        function = ctypes.CDLL(name, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
+    function = library.madvise
     function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     function.restype = ctypes.c_int
     return function

@@ -178,17 +178,10 @@ class LLMEngine(ContextSide, GenerationSide):
             checks_in_child(checks, check_child, start=self._checks_in_child)
             warm_up_linear_layers(model)
             fuse_packed_projections(model)
+            collapse_packed_weights(model)
         # The de-quantized source tensors, the dense weights packing replaced and the checks'
         # random matrices are freed by now; hand their pages back (engine/heap.py).
         trim_heap()
-        if self.config.batch_invariant:
-            collapse_started = time.monotonic()
-            collapsed, packed = collapse_packed_weights(self.runner.model)
-            if packed:
-                logger.info(
-                    "packed weights on 2 MiB pages: %d of %d MiB, in %.1f s (engine/huge_pages.py)",
-                    collapsed >> 20, packed >> 20, time.monotonic() - collapse_started,
-                )  # fmt: skip
         return time.monotonic() - started
 
     # -- aggregated --------------------------------------------------------------------------

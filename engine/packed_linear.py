@@ -191,24 +191,29 @@ def warm_up_linear_layers(model: nn.Module) -> int:
 
 
 def collapse_packed_weights(model: nn.Module) -> tuple[int, int]:
-    """Puts the model's packed weights on huge pages where the system can (engine/huge_pages.py);
-    returns (bytes collapsed, bytes packed)."""
-    collapsed = packed = 0
-    seen: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, PackedLinear) or module.packed_weight.device.type != "cpu":
-            continue
-        weight = module.packed_weight
-        if weight.is_mkldnn:
-            address, num_bytes = torch.ops.mkldnn.data_ptr(weight), torch.ops.mkldnn._nbytes(weight)
-        else:
-            address, num_bytes = weight.data_ptr(), weight.numel() * weight.element_size()
-        if address in seen:
-            continue
-        seen.add(address)
-        packed += num_bytes
-        collapsed += huge_pages.collapse(address, num_bytes)
+    """Puts the model's packed weights on huge pages where the system can (engine/huge_pages.py),
+    logged; returns (bytes collapsed, bytes packed)."""
+    started = time.monotonic()
+    spans = {
+        _packed_span(module.packed_weight)
+        for module in model.modules()
+        if isinstance(module, PackedLinear) and module.packed_weight.device.type == "cpu"
+    }
+    collapsed = sum(huge_pages.collapse(address, num_bytes) for address, num_bytes in spans)
+    packed = sum(num_bytes for _, num_bytes in spans)
+    if packed:
+        logger.info(
+            "packed weights on 2 MiB pages: %d of %d MiB, in %.1f s (engine/huge_pages.py)",
+            collapsed >> 20, packed >> 20, time.monotonic() - started,
+        )  # fmt: skip
     return collapsed, packed
+
+
+def _packed_span(weight: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of a packed weight's storage: oneDNN's buffer, or a dense tensor's."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn.data_ptr(weight), torch.ops.mkldnn._nbytes(weight)
+    return weight.data_ptr(), weight.numel() * weight.element_size()
 
 
 def bytes_held(model: nn.Module) -> int:
