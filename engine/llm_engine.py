@@ -40,9 +40,9 @@ from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.config import ModelConfig
-from engine.models.decoder import use_native_norms, use_native_rotary
+from engine.models.decoder import use_native_activation, use_native_norms, use_native_rotary
 from engine.models.loader import load_model
-from engine.native_kernels import decode_kernel, norm_kernel, rotary_kernel
+from engine.native_kernels import add_norm_kernel, decode_kernel, norm_kernel, rotary_kernel, silu_mul_kernel
 from engine.packed_linear import (
     CHECK_MODULES,
     checks_in_child,
@@ -126,7 +126,10 @@ class LLMEngine(ContextSide, GenerationSide):
         native = config.native_kernels and torch.device(config.device).type == "cpu"
         norm = norm_kernel() if native else None
         if norm is not None:
-            use_native_norms(model, norm)
+            use_native_norms(model, norm, add_norm_kernel())
+        activation = silu_mul_kernel() if native else None
+        if activation is not None:
+            use_native_activation(model, activation)
         rotary = rotary_kernel() if native else None
         if rotary is not None:
             use_native_rotary(model, rotary)

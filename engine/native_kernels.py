@@ -136,3 +136,17 @@ def norm_kernel() -> Callable[..., Any] | None:
     """torch.ops.beamsplit.rms_norm (input, weight, eps), or None where the library cannot be built."""
     kernel: Callable[..., Any] | None = torch.ops.beamsplit.rms_norm if _loaded() else None
     return kernel
+
+
+def add_norm_kernel() -> Callable[..., Any] | None:
+    """torch.ops.beamsplit.add_rms_norm (residual, delta, weight, eps) -> (sum, norm of sum), or None
+    where the library cannot be built."""
+    kernel: Callable[..., Any] | None = torch.ops.beamsplit.add_rms_norm if _loaded() else None
+    return kernel
+
+
+def silu_mul_kernel() -> Callable[..., Any] | None:
+    """torch.ops.beamsplit.silu_mul (gate_up, width) -> silu(gate) * up, or None where the library
+    cannot be built."""
+    kernel: Callable[..., Any] | None = torch.ops.beamsplit.silu_mul if _loaded() else None
+    return kernel

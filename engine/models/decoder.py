@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,8 +36,10 @@ NATIVE_NORM_DTYPES = (torch.float32, torch.bfloat16)
 
 class RMSNorm(nn.Module):
     # torch.ops.beamsplit.rms_norm where the engine loaded it (use_native_norms): one call for the
-    # forward below, the mean square summed in a fixed order per row (engine/native/kernels.cpp).
+    # forward below, the mean square summed in a fixed order per row (engine/native/kernels.cpp);
+    # native_add (add_rms_norm): the residual add before it and the norm in one call, same bits.
     native: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    native_add: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -59,6 +62,18 @@ class RMSNorm(nn.Module):
         normalised = hidden32 * torch.rsqrt(variance + self.eps)
         return self.weight * normalised.to(input_dtype)
 
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm): one compiled call where the engine loaded it, with the
+        bits of the add and forward apart."""
+        if (
+            self.native_add is not None
+            and residual.dtype in NATIVE_NORM_DTYPES
+            and residual.dtype == delta.dtype == self.weight.dtype
+        ):
+            return self.native_add(residual.contiguous(), delta.contiguous(), self.weight, self.eps)
+        summed = residual + delta
+        return summed, self(summed)
+
 
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm: scales by (1 + weight), the product in float32 too, then casts back."""
@@ -75,12 +90,24 @@ class OffsetRMSNorm(nn.Module):
 
 
 def use_native_norms(
-    model: nn.Module, kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    model: nn.Module,
+    kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    add_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
-    """Every RMSNorm of `model` runs `kernel` (engine/native_kernels.norm_kernel) from now on."""
+    """Every RMSNorm of `model` runs `kernel` (engine/native_kernels.norm_kernel) from now on, and
+    `add_kernel` (add_norm_kernel) for a residual add and the norm after it where given."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.native = kernel
+            module.native_add = add_kernel
+
+
+def use_native_activation(model: nn.Module, kernel: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+    """Every SiLU-gated MLP of `model` runs `kernel` (engine/native_kernels.silu_mul_kernel) for
+    its split, activation and product from now on, where its gate and up are one projection."""
+    for module in model.modules():
+        if isinstance(module, MLP) and module.activation is nn.functional.silu:
+            module.native_silu_mul = kernel
 
 
 def use_native_rotary(model: nn.Module, kernel: Callable[..., torch.Tensor]) -> None:
@@ -277,6 +304,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # torch.ops.beamsplit.silu_mul where the engine loaded it (use_native_activation): silu(gate) *
+    # up from the fused projection's rows in one call, torch's bits (engine/native/kernels.cpp).
+    native_silu_mul: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         width = config.intermediate_size if intermediate_size is None else intermediate_size
@@ -299,6 +330,9 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Gated: [N, E] -> [N, I] -> [N, E]."""
+        native = self.native_silu_mul
+        if native is not None and "gate_up_proj" in self._modules and hidden.dtype in NATIVE_NORM_DTYPES:
+            return self.down_proj(native(self.gate_up_proj(hidden), self.width))
         gate, up = self.gate_up(hidden)
         return self.down_proj(self.activation(gate) * up)
 
@@ -353,6 +387,30 @@ class DecoderLayer(nn.Module):
         hidden = hidden + attention_out_norm(attended)
         return hidden + mlp_out_norm(self.mlp(mlp_in_norm(hidden)))
 
+    def residual_forward(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with its input and output as (residual, delta), their sum the hidden state, so
+        that each residual add is taken with the norm after it (RMSNorm.add_and_norm): the same
+        bits as forward. Plain norms only (not Gemma's sandwich); delta None for the first layer."""
+        input_norm, post_norm = (
+            cast(RMSNorm, self.input_layernorm),
+            cast(RMSNorm, self.post_attention_layernorm),
+        )
+        if delta is None:
+            normed = input_norm(residual)
+        else:
+            residual, normed = input_norm.add_and_norm(residual, delta)
+        attended = self.self_attn(normed, cos, sin, kv_layer, metadata)
+        residual, normed = post_norm.add_and_norm(residual, attended)
+        return residual, self.mlp(normed)
+
 
 class LlamaModel(nn.Module):
     """The common decoder (named after the family it was first; every non-hybrid family runs it)."""
@@ -376,6 +434,8 @@ class LlamaModel(nn.Module):
         self.layer_rotary = [0 if base is None else 1 + distinct.index(base) for base in bases]
         self.embedding_scale = math.sqrt(config.hidden_size) if config.traits.scale_embeddings else None
         self.final_logit_softcapping = config.traits.final_logit_softcapping
+        # Plain RMSNorms around each block: the layers pass (residual, delta) pairs (residual_forward)
+        self.pairs_residuals = not (config.traits.sandwich_norms or config.traits.norm_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -421,12 +481,20 @@ class LlamaModel(nn.Module):
         hidden = self.embed(input_ids)  # [N, E]
         # Each cos and signed sin [N, 1, D], once a pass for all layers
         tables = [rotary_table(*rotary(positions, hidden.dtype)) for rotary in self.rotaries]
+        delta: torch.Tensor | None = None
         for layer_index, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rotary[layer_index]]
             # Each KV group has its own block tables (engine/kv_groups.py).
             group_metadata = metadata.for_group(kv_pool.group_of_layer(layer_index))
-            hidden = layer(hidden, cos, sin, kv_pool.layer_view(layer_index), group_metadata)
-        return hidden
+            kv_layer = kv_pool.layer_view(layer_index)
+            if self.pairs_residuals:
+                decoder_layer = cast(DecoderLayer, layer)
+                hidden, delta = decoder_layer.residual_forward(
+                    hidden, delta, cos, sin, kv_layer, group_metadata
+                )
+            else:
+                hidden = layer(hidden, cos, sin, kv_layer, group_metadata)
+        return hidden if delta is None else hidden + delta
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

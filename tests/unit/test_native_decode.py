@@ -262,3 +262,104 @@ def test_rotary_write_is_the_torch_ops_bit_for_bit(dtype: torch.dtype, num_token
     with pytest.raises(RuntimeError, match="out of the pool"):
         kernel(qkv, heads, cos.reshape(num_tokens, dim), sin.reshape(num_tokens, dim), pool,
                metadata.slot_blocks + 40, metadata.slot_offsets)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(dtype: torch.dtype) -> None:
+    """The residual add fused with the norm after it: the sum is torch's add and the norm the
+    compiled rms_norm of that sum, for 1 row and 64, each row's bits its own; bad operands refused."""
+    add_kernel, kernel = native_kernels.add_norm_kernel(), native_kernels.norm_kernel()
+    assert add_kernel is not None and kernel is not None
+    generator = torch.Generator().manual_seed(11)
+    residual, delta = ((torch.randn(64, 576, generator=generator) * 3).to(dtype) for _ in range(2))
+    weight = torch.randn(576, generator=generator).to(dtype)
+    summed, normed = add_kernel(residual, delta, weight, 1e-5)
+    assert same_bits(summed, residual + delta) and same_bits(normed, kernel(residual + delta, weight, 1e-5))
+    for index in (0, 31, 63):
+        row_sum, row_norm = add_kernel(residual[index : index + 1], delta[index : index + 1], weight, 1e-5)
+        assert same_bits(row_sum, summed[index : index + 1]) and same_bits(
+            row_norm, normed[index : index + 1]
+        )
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = weight
+    use_native_norms(norm, kernel, add_kernel)
+    via_module = norm.add_and_norm(residual, delta)
+    assert same_bits(via_module[0], summed) and same_bits(via_module[1], normed)
+    with pytest.raises(RuntimeError, match="delta must be contiguous"):
+        add_kernel(residual, delta[:, :288], weight, 1e-5)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        add_kernel(residual, delta, weight.double(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 4, 64])
+def test_silu_mul_is_torchs_silu_times_up_bit_for_bit(dtype: torch.dtype, num_rows: int) -> None:
+    """The gated MLP's split, SiLU and product in one call: torch's own bits (its silu kernel on
+    the gate's view, the product rounded as torch's mul rounds it)."""
+    kernel = native_kernels.silu_mul_kernel()
+    assert kernel is not None
+    gate_up = (torch.randn(num_rows, 2 * 1536, generator=torch.Generator().manual_seed(num_rows)) * 4).to(
+        dtype
+    )
+    gate, up = gate_up.split(1536, dim=-1)
+    assert same_bits(kernel(gate_up, 1536), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        kernel(gate_up, 1000)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_adds_and_activation_give_the_unfused_models_bits(tmp_path: Path, dtype: str) -> None:
+    """A model whose layers pass (residual, delta) pairs, each add taken with its norm, and whose
+    MLPs run silu_mul, decodes the same beams, scores and log-probs bit for bit as the same model
+    with every add, norm and activation apart; and the fused calls are the ones it makes."""
+    from engine.config import CacheConfig, EngineConfig, SamplingParams
+    from engine.llm_engine import LLMEngine
+    from engine.models.decoder import MLP
+    from tests.helpers.checkpoints import write_random_llama_checkpoint
+
+    model_dir = write_random_llama_checkpoint(
+        tmp_path,
+        num_heads=8,
+        num_kv_heads=2,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=3,
+    )
+    config = EngineConfig(
+        model=str(model_dir), dtype=dtype, cache=CacheConfig(tokens_per_block=32, num_blocks=256)
+    )
+    engines = [LLMEngine(config), LLMEngine(config)]
+    fused_model, apart_model = (engine.runner.model for engine in engines)
+    calls: list[str] = []
+    for module in fused_model.modules():
+        if isinstance(module, RMSNorm) and module.native_add is not None:
+            add = module.native_add
+            module.native_add = lambda *args, add=add: calls.append("add_rms_norm") or add(*args)
+        if isinstance(module, MLP) and module.native_silu_mul is not None:
+            silu_mul = module.native_silu_mul
+            module.native_silu_mul = lambda *args, f=silu_mul: calls.append("silu_mul") or f(*args)
+    apart_model.pairs_residuals = False
+    for module in apart_model.modules():
+        if isinstance(module, RMSNorm):
+            module.native_add = None
+        if isinstance(module, MLP):
+            module.native_silu_mul = None
+    params = SamplingParams(beam_width=4, max_new_tokens=6, ignore_eos=True, logprobs=2)
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(length)] for i, length in enumerate((5, 40, 90))]
+    results = []
+    for engine in engines:
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"r{index}", prompt, params)
+        finished = {}
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = [
+                        (beam.token_ids, beam.score, beam.cumulative_logprob, beam.logprobs)
+                        for beam in output.beams
+                    ]
+        results.append(finished)
+    assert results[0] == results[1] and len(results[0]) == 3
+    # 3 layers: the second norm of every layer and the first of layers 2 and 3, 3 MLPs, every step
+    assert calls.count("add_rms_norm") > 0 and calls.count("silu_mul") * 5 == calls.count("add_rms_norm") * 3
