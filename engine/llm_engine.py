@@ -40,8 +40,9 @@ from engine.kv_pool import GroupedKVPool
 from engine.logprobs import LogprobTrie
 from engine.model_runner import ModelRunner, SequenceInput
 from engine.models.config import ModelConfig
-from engine.models.decoder import use_native_activation, use_native_norms, use_native_rotary
+from engine.models.decoder import use_native_activation, use_native_rotary
 from engine.models.loader import load_model
+from engine.models.norms import use_native_norms
 from engine.native_kernels import add_norm_kernel, decode_kernel, norm_kernel, rotary_kernel, silu_mul_kernel
 from engine.packed_linear import (
     CHECK_MODULES,

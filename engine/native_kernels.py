@@ -13,7 +13,7 @@ How: the source is compiled with the host's C++ compiler against the installed t
 flags (`-march=native`), then loaded with `torch.ops.load_library`. Concurrent processes build
 into temporary files and rename, so they never load a half-written library. Where no compiler is
 found or the build fails, `decode_kernel()` and `norm_kernel()` return None with the reason logged
-once, and the engine keeps the torch forms (engine/invariant_decode.py, decoder.RMSNorm).
+once, and the engine keeps the torch forms (engine/invariant_decode.py, norms.RMSNorm).
 """
 
 from __future__ import annotations

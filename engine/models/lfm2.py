@@ -21,7 +21,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_pool import GroupedKVPool, KVPool
 from engine.models.config import ATTENTION_LAYER, ModelConfig
-from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary_table, rotary_table
+from engine.models.decoder import RotaryEmbedding, apply_rotary_table, rotary_table
+from engine.models.norms import RMSNorm
 from engine.models.q8_embedding import embedding_dtype
 from engine.models.short_conv import RecurrentMetadata, short_conv
 from engine.state_pool import StatePool

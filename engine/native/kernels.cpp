@@ -8,7 +8,7 @@
 // the other tokens of the call, on the thread that runs it or on the number of threads: its bits
 // are those of the token computed alone.
 // engine/native_kernels.py builds and loads this file; engine/invariant_attention.py calls it, and
-// engine/models/decoder.py's RMSNorm calls rms_norm below.
+// engine/models/norms.py's RMSNorm calls rms_norm below.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -517,7 +517,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_layer, const
   }
 }
 
-// RMSNorm over the last axis, as engine/models/decoder.py's RMSNorm computes it: the row in
+// RMSNorm over the last axis, as engine/models/norms.py's RMSNorm computes it: the row in
 // float32, its mean square (16 lanes over the row, then lane_sum's tree), times 1 / sqrt(mean +
 // eps), rounded to the row's dtype, then times the weight in that dtype. A row's bits are its own.
 template <typename scalar_t>

@@ -12,7 +12,8 @@ import torch
 
 from engine import native_kernels
 from engine.attention import paged_attention, prepare_attention, write_kv
-from engine.models.decoder import RMSNorm, RotaryEmbedding, apply_rotary_table, rotary_table, use_native_norms
+from engine.models.decoder import RotaryEmbedding, apply_rotary_table, rotary_table
+from engine.models.norms import RMSNorm, use_native_norms
 from engine.models.q8_embedding import same_bits
 
 pytestmark = pytest.mark.skipif(native_kernels.decode_kernel() is None, reason="no C++ compiler here")
