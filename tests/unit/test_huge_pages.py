@@ -32,17 +32,18 @@ def _huge_pages_usable() -> str | None:
     return None
 
 
-def _huge_bytes_at(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
-    inside = False
+def _huge_bytes_in(address: int, num_bytes: int) -> int:
+    """AnonHugePages of the mappings that overlap [address, address + num_bytes), from
+    /proc/self/smaps (a heap buffer may span more than one mapping)."""
+    total, overlaps = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             low, high = (int(part, 16) for part in head.split("-"))
-            inside = low <= address < high
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
+            overlaps = low < address + num_bytes and address < high
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_a_collapsed_buffer_keeps_its_bytes_and_sits_on_huge_pages() -> None:
     collapsed = huge_pages.collapse(buffer.data_ptr(), buffer.numel())
     start, length = huge_pages.huge_page_span(buffer.data_ptr(), buffer.numel())
     assert collapsed == length >= 6 * MIB
-    assert _huge_bytes_at(start) >= length
+    assert _huge_bytes_in(start, length) >= length
     assert torch.equal(buffer, before)
 
 
