@@ -4,6 +4,7 @@ collapse nothing fails."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import sys
@@ -66,7 +67,10 @@ def test_a_collapsed_buffer_keeps_its_bytes_and_sits_on_huge_pages() -> None:
     reason = _huge_pages_usable()
     if reason is not None:
         pytest.skip(reason)
-    buffer = torch.randint(0, 256, (9 * MIB,), dtype=torch.uint8)
+    # A mapping of its own: on the shared heap another test's free or trim may split its huge pages.
+    mapping = mmap.mmap(-1, 9 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    buffer.copy_(torch.randint(0, 256, (9 * MIB,), dtype=torch.uint8))
     before = buffer.clone()
     collapsed = huge_pages.collapse(buffer.data_ptr(), buffer.numel())
     start, length = huge_pages.huge_page_span(buffer.data_ptr(), buffer.numel())
