@@ -7,9 +7,12 @@ Order, and why:
    heartbeats keep the context worker's hold alive; one that never fits, a full queue or a wait
    past its bound is RESOURCE_EXHAUSTED, and the coordinator may try another worker.
 2. Pull exactly the missing pages from the context worker (heartbeats keep its lease alive).
-3. Tell the context worker to release: its pages are no longer needed once ours are filled.
-4. Only then `add_prefilled_request`: the prompt expands to W beams inside the engine, so the
-   prompt crossed the wire once whatever W is.
+3. Only then `add_prefilled_request`: the prompt expands to W beams inside the engine, so the
+   prompt crossed the wire once whatever W is. The engine thread, told the add is coming
+   (`EngineLoop.expect_command`, made with the reservation), waits for it at the step boundary
+   that follows (bounded), so the request joins that step instead of the one after it.
+4. Tell the context worker to release: its pages are no longer needed once ours are filled (the
+   call runs while the add waits for the engine thread, and never holds the add up).
 5. Stream the engine's outputs.
 Any exit before the end (cancel, deadline, pull failure, shutdown) undoes exactly what was done:
 cancel the reservation or abort the request, and release the context worker's hold.
@@ -22,11 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from beamsplit.server.admission_queue import AdmissionLimits, AdmissionQueue, AdmissionRefusedError
-from beamsplit.server.engine_loop import EngineLoop, follow_stream
+from beamsplit.server.engine_loop import EngineLoop, ExpectedCommand, follow_stream
 from beamsplit.server.metrics import ServerMetrics
 from beamsplit.server.server_common import SHUTDOWN_MESSAGE, ShutdownGate
 from beamsplit.v1 import worker_pb2
@@ -129,22 +133,28 @@ class GenerationService:
         is_finished = is_released = False
         release_reason = "failed"
         try:
-            reservation = self._reserve(engine_request_id, handoff, prompt_ids, params, salt, stop_reason)
-            pull = self._pull(handoff, reservation, stop_reason)
+            reservation, joining = self._reserve(
+                engine_request_id, handoff, prompt_ids, params, salt, stop_reason
+            )
+            try:
+                pull = self._pull(handoff, reservation, stop_reason)
+                added = joining.submit(
+                    lambda engine: engine.add_prefilled_request(
+                        reservation,
+                        prompt_ids,
+                        params,
+                        list(handoff.candidate_ids),
+                        list(handoff.candidate_logprobs),
+                        bytes(handoff.recurrent_state),  # hybrid: installed before the beams expand
+                        list(handoff.candidate_model_logprobs),
+                    )
+                )
+            finally:
+                joining.cancel()
+            # Our pages are filled: the context worker's may go (while the add waits its turn).
             self._context_client.release(handoff.context_address, handoff.transfer_id, PULLED_REASON)
             is_released = True
-            self._loop.call(
-                lambda engine: engine.add_prefilled_request(
-                    reservation,
-                    prompt_ids,
-                    params,
-                    list(handoff.candidate_ids),
-                    list(handoff.candidate_logprobs),
-                    bytes(handoff.recurrent_state),  # hybrid: installed before the beams expand
-                    list(handoff.candidate_model_logprobs),
-                ),
-                timeout_s=self._timeouts.engine_s,
-            )
+            self._loop.result(added, self._timeouts.engine_s)
             reused_tokens = min(
                 len(prompt_ids), reservation.num_cached_blocks * self._layout.tokens_per_block
             )
@@ -182,24 +192,25 @@ class GenerationService:
         params: SamplingParams,
         salt: bytes,
         stop_reason: Callable[[], ServiceError | None],
-    ) -> PromptReservation:
-        """The request's blocks, now or after a bounded wait in the admission queue."""
+    ) -> tuple[PromptReservation, ExpectedCommand]:
+        """The request's blocks, now or after a bounded wait in the admission queue, and the
+        engine thread's expectation of the add that follows the pull."""
 
-        def try_reserve() -> PromptReservation | None:
+        def reserve_and_expect_add(engine: Any) -> tuple[PromptReservation, ExpectedCommand]:
+            # The add is expected from the engine thread itself, so that the step boundary right
+            # after this command already waits for it (while the pull runs).
+            reservation = engine.reserve_prompt(engine_request_id, prompt_ids, salt=salt, params=params)
+            return reservation, self._loop.expect_command()
+
+        def try_reserve() -> tuple[PromptReservation, ExpectedCommand] | None:
             try:
-                reservation: PromptReservation = self._loop.call(
-                    lambda engine: engine.reserve_prompt(
-                        engine_request_id, prompt_ids, salt=salt, params=params
-                    ),
-                    timeout_s=self._timeouts.engine_s,
-                )
+                return self._loop.call(reserve_and_expect_add, timeout_s=self._timeouts.engine_s)
             except PoolTooSmallError as error:  # waiting cannot help
                 raise ServiceError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"generation worker: {error}"
                 ) from None
             except OutOfBlocksError:
                 return None
-            return reservation
 
         next_heartbeat = time.monotonic() + self._timeouts.heartbeat_interval_s
 

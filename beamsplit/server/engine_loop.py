@@ -6,6 +6,10 @@ from the `OutputStream` opened for it. The engine thread runs queued commands, t
 when work is pending, routes each `RequestOutput` to its stream, and reports the pool occupancy
 after every iteration so metrics never have to reach into the engine.
 
+A caller that will submit a command soon (the generation worker pulling a prompt it then adds)
+says so with `expect_command`: the next step boundary waits for that command, up to
+`join_wait_s`, so the pulled request joins the next step instead of the one after it.
+
 The aggregated server runs the loop on its main thread (`run_in_caller`, then `run_here`), the
 thread that loaded the model: torch's OpenMP pool belongs to the thread that calls into it, and a second pool (the main
 thread's, from loading) made every step of an engine on its own thread slower. Measured on the
@@ -54,6 +58,28 @@ class OutputStream:
         return self._queue.get(timeout=timeout_s)
 
 
+class ExpectedCommand:
+    """A command its caller will submit soon (`EngineLoop.expect_command`)."""
+
+    def __init__(
+        self, forget: Callable[[ExpectedCommand], bool], submit: Callable[[Any], Future[Any]]
+    ) -> None:
+        self._forget = forget
+        self._submit = submit
+
+    def submit(self, function: Callable[[Any], ResultT]) -> Future[ResultT]:
+        """Submits the expected command: a boundary waiting for it steps as soon as it has run."""
+        self._forget(self)
+        future: Future[ResultT] = self._submit(function)
+        return future
+
+    def cancel(self) -> None:
+        """No such command will come (idempotent; a no-op after submit): a boundary waiting for it
+        is woken (by an empty command) and steps."""
+        if self._forget(self):
+            self._submit(lambda engine: None)
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -65,8 +91,11 @@ class EngineLoop:
         run_in_caller: bool = False,
         on_thread_start: Callable[[], None] | None = None,
         core_lease: CoreLease | None = None,
+        join_wait_s: float = 0.03,
     ) -> None:
-        """step_delay_s: a test hook (BEAMSPLIT_TEST_STEP_DELAY_S): sleep after each step.
+        """join_wait_s: how long a step boundary waits for the commands callers said they would
+        submit (`expect_command`); each is waited for at one boundary.
+        step_delay_s: a test hook (BEAMSPLIT_TEST_STEP_DELAY_S): sleep after each step.
         run_in_caller: the loop takes commands from now on, and the caller's thread runs it later
         with `run_here` (instead of `start`). on_thread_start: runs first on the loop's own thread
         (`start`), e.g. to give that thread the process's torch threads."""
@@ -83,6 +112,9 @@ class EngineLoop:
         self._runs_in_caller = run_in_caller
         self._on_thread_start = on_thread_start
         self._core_lease = core_lease
+        self._join_wait_s = join_wait_s
+        self._expected: list[ExpectedCommand] = []
+        self._expected_lock = threading.Lock()
 
     def start(self) -> None:
         """Runs the loop on a thread of its own."""
@@ -118,12 +150,33 @@ class EngineLoop:
 
     def call(self, function: Callable[[Any], ResultT], timeout_s: float = 30.0) -> ResultT:
         """Runs `function(engine)` on the engine thread and returns its result (or raises its error)."""
-        future = self.submit(function)
+        return self.result(self.submit(function), timeout_s)
+
+    @staticmethod
+    def result(future: Future[ResultT], timeout_s: float) -> ResultT:
+        """A submitted command's result within `timeout_s` (cancelled and EngineLoopError after)."""
         try:
             return future.result(timeout=timeout_s)
         except FutureTimeoutError as error:
             future.cancel()
             raise EngineLoopError(f"engine did not answer within {timeout_s:.1f} s") from error
+
+    def expect_command(self) -> ExpectedCommand:
+        """The next step boundary waits (up to join_wait_s) for the command the caller will submit
+        through the returned ExpectedCommand, or cancel. Made by a command on the engine thread
+        (a reservation), it is seen by the boundary that follows that command."""
+        expected = ExpectedCommand(self._forget, self.submit)
+        with self._expected_lock:
+            self._expected.append(expected)
+        return expected
+
+    def _forget(self, expected: ExpectedCommand) -> bool:
+        """Whether `expected` was still expected."""
+        with self._expected_lock:
+            if expected not in self._expected:
+                return False
+            self._expected.remove(expected)
+            return True
 
     def open_stream(self, request_id: str) -> OutputStream:
         stream = OutputStream(request_id)
@@ -155,6 +208,8 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self._run_commands(block=not self._has_work())
                 if self._has_work():
+                    self._wait_for_expected()
+                if self._has_work():
                     self._step()
                     if self._step_delay_s > 0:
                         time.sleep(self._step_delay_s)
@@ -172,9 +227,22 @@ class EngineLoop:
             logger.exception("engine.has_unfinished failed")
             return False
 
-    def _run_commands(self, block: bool) -> None:
+    def _wait_for_expected(self) -> None:
+        """Runs the expected commands that arrive within join_wait_s. Each is waited for at one
+        boundary only (then forgotten): a slow pull costs the running requests one bounded pause."""
+        deadline = time.monotonic() + self._join_wait_s
+        while not self._stopping.is_set():
+            with self._expected_lock:
+                now = time.monotonic()
+                if not self._expected or now >= deadline:
+                    self._expected.clear()
+                    return
+            self._run_commands(block=True, timeout_s=deadline - now)
+
+    def _run_commands(self, block: bool, timeout_s: float | None = None) -> None:
         try:
-            first = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+            timeout_s = self._idle_wait_s if timeout_s is None else timeout_s
+            first = self._commands.get(timeout=timeout_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         pending = [first]

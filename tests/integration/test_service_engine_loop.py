@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from beamsplit.server.engine_loop import EngineLoop, EngineLoopError, RequestDroppedError, follow_stream
+from beamsplit.server.engine_loop import (
+    EngineLoop,
+    EngineLoopError,
+    ExpectedCommand,
+    RequestDroppedError,
+    follow_stream,
+)
 from engine.types import RequestOutput
 
 
@@ -26,6 +32,8 @@ class ScriptedEngine:
         self.fail_next_step = False
         self.drop: set[str] = set()
         self.ready: list[RequestOutput] = []  # outputs the next step returns alone, as LLMEngine's
+        self.step_s = 0.0  # how long a step takes
+        self.step_starts: list[float] = []  # monotonic time of each step's start
 
     @property
     def has_ready_outputs(self) -> bool:
@@ -40,6 +48,8 @@ class ScriptedEngine:
 
     def step(self) -> list[RequestOutput]:
         self.threads.add(threading.current_thread().name)
+        self.step_starts.append(time.monotonic())
+        time.sleep(self.step_s)
         if self.ready:
             outputs, self.ready = self.ready, []
             return outputs
@@ -155,6 +165,57 @@ def test_a_loop_run_in_its_caller_takes_commands_before_it_runs() -> None:
     assert not caller.is_alive() and not loop.is_running
     with pytest.raises(RuntimeError, match="start"):
         EngineLoop(ScriptedEngine()).run_here()
+
+
+def expected_while_running(join_wait_s: float) -> tuple[ScriptedEngine, EngineLoop, int, ExpectedCommand]:
+    """A started loop stepping one long request every 0.1 s, the steps made so far, and a command
+    expected from a command on the engine thread (as the generation worker's reservation does)."""
+    engine = ScriptedEngine(num_steps=10_000)
+    engine.step_s = 0.1
+    loop = EngineLoop(engine, join_wait_s=join_wait_s)
+    loop.start()
+    loop.call(lambda owned: owned.add("running"))
+    steps, expected = loop.call(lambda owned: (len(owned.step_starts), loop.expect_command()))
+    return engine, loop, steps, expected
+
+
+def test_an_expected_command_joins_the_next_step() -> None:
+    """A request added through an expected command (a pulled prompt) joins the step after the
+    command that expected it, though it comes three steps' time later: the boundary waited."""
+    engine, loop, steps, expected = expected_while_running(join_wait_s=5.0)
+    try:
+        time.sleep(0.3)  # the pull
+        added = expected.submit(lambda owned: (owned.add("pulled"), len(owned.step_starts))[1])
+        assert loop.result(added, timeout_s=5.0) == steps
+        expected.cancel()  # after submit: nothing more to wake
+        stream = loop.open_stream("pulled")
+        assert stream.get(timeout_s=5.0) is not None
+    finally:
+        loop.stop()
+
+
+def test_a_boundary_waits_for_an_expected_command_once_and_within_its_bound() -> None:
+    """A command that does not come holds one boundary for join_wait_s and no other; one
+    cancelled wakes the boundary waiting for it at once."""
+    engine, loop, steps, expected = expected_while_running(join_wait_s=0.5)
+    try:
+        time.sleep(1.2)
+        starts = engine.step_starts[steps:]
+        assert len(starts) >= 5  # ~0.5 s waited, then a step every 0.1 s
+        assert starts[0] - engine.step_starts[steps - 1] >= 0.5
+        assert max(later - earlier for earlier, later in zip(starts, starts[1:], strict=False)) < 0.3
+        expected.cancel()
+
+        _, cancelled = loop.call(lambda owned: (None, loop.expect_command()))
+        asked = time.monotonic()
+        cancelled.cancel()
+        next_step = len(engine.step_starts)
+        deadline = time.monotonic() + 5.0
+        while len(engine.step_starts) <= next_step and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.step_starts[next_step] - asked < 0.3  # not join_wait_s later
+    finally:
+        loop.stop()
 
 
 @pytest.fixture
