@@ -240,9 +240,10 @@ class EngineLoop:
             self._run_commands(block=True, timeout_s=deadline - now)
 
     def _run_commands(self, block: bool, timeout_s: float | None = None) -> None:
+        """Runs the queued commands; block: waits for the first up to timeout_s (default idle_wait_s)."""
+        wait_s = self._idle_wait_s if timeout_s is None else timeout_s
         try:
-            timeout_s = self._idle_wait_s if timeout_s is None else timeout_s
-            first = self._commands.get(timeout=timeout_s) if block else self._commands.get_nowait()
+            first = self._commands.get(timeout=wait_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         pending = [first]
