@@ -362,5 +362,13 @@ def test_the_fused_adds_and_activation_give_the_unfused_models_bits(tmp_path: Pa
                     ]
         results.append(finished)
     assert results[0] == results[1] and len(results[0]) == 3
-    # 3 layers: the second norm of every layer and the first of layers 2 and 3, 3 MLPs, every step
-    assert calls.count("add_rms_norm") > 0 and calls.count("silu_mul") * 5 == calls.count("add_rms_norm") * 3
+    # 3 layers: the second norm of every layer and the first of layers 2 and 3, every step; and one
+    # silu_mul per MLP whose gate and up the warm-up fused (all 3 where this host's fusion check
+    # holds at this shape: not for bfloat16 on an AVX2-only host, whose MLPs keep them apart)
+    fused_mlps = sum(
+        isinstance(module, MLP) and "gate_up_proj" in module._modules for module in fused_model.modules()
+    )
+    assert (
+        calls.count("add_rms_norm") > 0
+        and calls.count("silu_mul") * 5 == calls.count("add_rms_norm") * fused_mlps
+    )
