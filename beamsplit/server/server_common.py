@@ -136,6 +136,10 @@ def start_grpc_server(
         options=[("grpc.max_receive_message_length", int(max_message_mb * 1024 * 1024))],
     )
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    # grpcio's servicer starts the server-wide status ("") at SERVING: a launcher or probe polling
+    # it would call a coordinator healthy before its workers answer and its HTTP front listens.
+    # NOT_SERVING until the role's set_serving, after everything it serves is up.
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     register(server)
     if tls is not None and tls.is_server_tls:

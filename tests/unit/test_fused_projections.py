@@ -10,6 +10,7 @@ import engine.llm_engine as llm_engine
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.fused_projections import fuse_packed_projections, fusion_is_exact, takes_chunks
 from engine.packed_linear import PackedLinear
+from tests.helpers.onednn_host import NO_BFLOAT16_REASON, onednn_packs
 
 
 def beams(engine: LLMEngine) -> list[tuple[list[int], float, float]]:
@@ -77,6 +78,8 @@ def test_a_fused_layer_takes_the_chunks_its_parts_take() -> None:
     row's bits (past 32 rows the two paths differ), so the set fuses."""
     widths = (576, 192, 192)
     threads = torch.get_num_threads()
+    if not onednn_packs(torch.bfloat16):
+        pytest.skip(NO_BFLOAT16_REASON)
     if not takes_chunks(576, widths, torch.bfloat16, threads):
         pytest.skip("no part takes the fixed-row chunks on this host")
     assert fusion_is_exact(576, widths, torch.bfloat16, "cpu", threads)

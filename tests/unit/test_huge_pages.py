@@ -16,6 +16,7 @@ from torch import nn
 
 from engine import huge_pages
 from engine.packed_linear import PackedLinear, collapse_packed_weights
+from tests.helpers.onednn_host import NO_BFLOAT16_REASON, onednn_packs
 
 MIB = 1 << 20
 
@@ -89,6 +90,8 @@ def test_a_buffer_under_a_huge_page_is_left_alone() -> None:
 def test_packed_weights_on_huge_pages_give_the_same_outputs(dtype: torch.dtype) -> None:
     """A layer's outputs before and after its packed weight moves, bit for bit; the bytes packed
     are the weights' own, and where the system can, most of a large weight is collapsed."""
+    if not onednn_packs(dtype):
+        pytest.skip(NO_BFLOAT16_REASON)
     torch.manual_seed(0)
     linear = nn.Linear(1024, 4096, bias=False).to(dtype)  # 16 or 8 MiB
     model = nn.Sequential(

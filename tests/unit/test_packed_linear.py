@@ -13,6 +13,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant, one
 from engine.batch_invariant import RowChunkedLinear, invariant_linear
 from engine.models.loader import load_model
 from engine.packed_linear import PackedLinear, bytes_held, dense_weight_bytes, warm_up_linear_layers
+from tests.helpers.onednn_host import NO_BFLOAT16_REASON, onednn_packs
 
 CHECKS: tuple[Callable[..., object], ...] = (
     onednn_calls.onednn_rows_are_independent,
@@ -38,9 +39,11 @@ def test_first_request_after_load_runs_no_check_and_packs_nothing(
     checks_at_load = checks_run()
     assert checks_at_load > 0
     layers = list(engine.runner.model.modules())
-    # float64 has no oneDNN inner product: its layers stay dense and take the MKL paths.
-    assert any(isinstance(layer, PackedLinear) for layer in layers) == (dtype != "float64")
-    assert all(not isinstance(layer, RowChunkedLinear) for layer in layers) == (dtype != "float64")
+    # float64 has no oneDNN inner product (nor bfloat16 on an AVX2-only CPU): its layers stay
+    # dense and take the MKL paths.
+    packs_here = onednn_packs(getattr(torch, dtype))
+    assert any(isinstance(layer, PackedLinear) for layer in layers) == packs_here
+    assert all(not isinstance(layer, RowChunkedLinear) for layer in layers) == packs_here
     packs: list[int] = []
     pack = onednn_calls.pack_onednn_weight
     monkeypatch.setattr(onednn_calls, "pack_onednn_weight", lambda weight: packs.append(1) or pack(weight))
@@ -92,6 +95,8 @@ def test_weights_are_held_once(model: str, dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_layer_computes_what_the_dense_one_does(dtype: torch.dtype) -> None:
+    if not onednn_packs(dtype):
+        pytest.skip(NO_BFLOAT16_REASON)
     generator = torch.Generator().manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=True)).to(dtype)
     weight = model[0].weight.detach().clone()
