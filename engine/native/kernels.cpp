@@ -414,11 +414,11 @@ void run_float(const q_t* query, const kv_t* kv, const int64_t* token_index, con
       std::fill(acc.begin(), acc.end(), f16{});
       const float* weight = reinterpret_cast<const float*>(weights.data());
       const int64_t weight_stride = num_blocks * L;
-      // Four keys' values at a time where the compiler knows the head dim (a head's sums then
-      // stay in registers over the four); each sum still adds key after key.
+      // K keys' values at a time where the compiler knows the head dim (a head's sums then stay
+      // in registers over the K); each sum still adds key after key.
       int64_t j = 0;
       if constexpr (NV > 0) {
-        constexpr int64_t K = kTwoRegisterVectors ? 2 : 4;  // AVX2's 16 registers: 2 (31.7 against 34.0 ms)
+        constexpr int64_t K = kTwoRegisterVectors ? 2 : 4;  // AVX2's 16 registers hold 2 (31.7 against 34.0 ms)
         for (; j + K <= count; j += K) {
           for (int64_t h = 0; h < heads; ++h) {
             f16 values[K][NV];
