@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import engine.onednn_calls as onednn_calls
+import engine.panel_linear as panel_linear
 from engine.kernel_facts import is_known, kernel_check
 from engine.packed_linear import PackedLinear, linear_shape, takes_onednn_path
 
@@ -69,7 +70,10 @@ def takes_chunks(
     """Does any of the separate layers take oneDNN's chunked calls (its any-M check fails)? Then
     the fused layer takes them too, whatever its own shape's checks say: the two paths give a row
     other bits past 32 rows on the AMX host in bfloat16 (where 300 rows were too few for the
-    any-M check to see it, 576 -> 960 passed it while 576 -> 576 and 576 -> 192 did not)."""
+    any-M check to see it, 576 -> 960 passed it while 576 -> 576 and 576 -> 192 did not).
+    Panels (engine/panel_linear.py) take no chunks."""
+    if panel_linear.panels_apply(dtype, "cpu"):
+        return False
     return not all(
         onednn_calls.onednn_rows_are_independent(in_features, out, dtype, "cpu", num_threads)
         for out in out_features
@@ -154,7 +158,9 @@ def fuse_packed_projections(model: nn.Module) -> int:
     for module in model.modules():
         for fused_name, *_ in FUSIONS:
             fused = getattr(module, fused_name, None)
-            if isinstance(fused, PackedLinear):  # its own kernel checks, now rather than on a request
+            if (
+                isinstance(fused, PackedLinear) and not fused.panels
+            ):  # its checks, now rather than on a request
                 takes_onednn_path(
                     fused.in_features, fused.out_features, fused.packed_weight.dtype, "cpu", num_threads
                 )
@@ -168,8 +174,10 @@ def fusion_checks(model: nn.Module, num_threads: int) -> list[tuple[Callable[...
     kernel checks."""
     checks: dict[tuple[Callable[..., bool], tuple[Any, ...]], None] = {}
     for found in fusion_sets(model, num_threads):
+        in_features, widths, dtype, *_ = found.shape
+        if panel_linear.panels_apply(dtype, "cpu"):
+            continue  # fusion_is_exact: a few panel calls, asked in this process when fusing
         if not is_known(fusion_is_exact, *found.shape):
-            in_features, widths, dtype, *_ = found.shape
             checks[(fusion_is_exact, found.shape)] = None
             checks[(takes_onednn_path, (in_features, sum(widths), dtype, "cpu", num_threads))] = None
     return list(checks)

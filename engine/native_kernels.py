@@ -150,3 +150,10 @@ def silu_mul_kernel() -> Callable[..., Any] | None:
     cannot be built."""
     kernel: Callable[..., Any] | None = torch.ops.beamsplit.silu_mul if _loaded() else None
     return kernel
+
+
+def panel_linear_kernel() -> Callable[..., Any] | None:
+    """torch.ops.beamsplit.panel_linear (rows [M, in] float32, panels [ceil(out / 16), in, 16],
+    out) -> [M, out], or None where the library cannot be built."""
+    kernel: Callable[..., Any] | None = torch.ops.beamsplit.panel_linear if _loaded() else None
+    return kernel

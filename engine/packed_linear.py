@@ -29,17 +29,20 @@ from torch import nn
 import engine.batch_invariant as batch_invariant
 import engine.huge_pages as huge_pages
 import engine.onednn_calls as onednn_calls
+import engine.panel_linear as panel_linear
 from engine.kernel_facts import CheckChild, is_known, measure_in_child
 
 logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
-    """A bias-free or biased linear layer whose weight lives only in oneDNN's packed layout.
+    """A bias-free or biased linear layer whose weight lives only in a packed layout: oneDNN's, or
+    the panel kernel's where that applies (float32 without AVX-512: engine/panel_linear.py).
 
-    Rows are independent of each other as in RowChunkedLinear: where the oneDNN check holds (it
-    did at packing; the thread count may change since), every row goes through one inner-product
-    call; otherwise through invariant_linear's other paths with the weight unpacked."""
+    Rows are independent of each other as in RowChunkedLinear. Panels keep them apart by
+    construction. With oneDNN's layout, where its check holds (it did at packing; the thread count
+    may change since), every row goes through one inner-product call; otherwise through
+    invariant_linear's other paths with the weight unpacked."""
 
     def __init__(
         self,
@@ -47,14 +50,21 @@ class PackedLinear(nn.Module):
         bias: nn.Parameter | None,
         shared: torch.Tensor | None,
         chunked: bool = False,
+        out_features: int | None = None,
     ) -> None:
-        """packed_weight: [out, in] from pack_onednn_weight; shared: the dense weight when another
-        module owns it too (a tied embedding), else None; chunked: rows go in oneDNN calls of
-        onednn_call_sizes' row counts wherever that check holds, even where the any-M one does too
-        (a fused layer whose parts take them: engine/fused_projections.py)."""
+        """packed_weight: [out, in] from pack_onednn_weight, or panels [ceil(out / 16), in, 16] from
+        to_panels with `out_features`; shared: the dense weight when another module owns it too (a
+        tied embedding), else None; chunked: rows go in oneDNN calls of onednn_call_sizes' row
+        counts wherever that check holds, even where the any-M one does too (a fused layer whose
+        parts take them: engine/fused_projections.py)."""
         super().__init__()
         self.chunked = chunked
-        self.out_features, self.in_features = packed_weight.shape
+        self.panels = not packed_weight.is_mkldnn
+        if self.panels:
+            assert out_features is not None, "panels need out_features"
+            self.out_features, self.in_features = out_features, packed_weight.shape[1]
+        else:
+            self.out_features, self.in_features = packed_weight.shape
         self.packed_weight = packed_weight
         self.bias = bias
         self._shared = shared
@@ -66,6 +76,9 @@ class PackedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, shared: bool, chunked: bool = False) -> PackedLinear:
         weight = linear.weight.detach()
+        if panel_linear.panels_apply(weight.dtype, weight.device.type):
+            panels = panel_linear.to_panels(weight)
+            return cls(panels, linear.bias, weight if shared else None, chunked, weight.shape[0])
         return cls(onednn_calls.pack_onednn_weight(weight), linear.bias, weight if shared else None, chunked)
 
     @property
@@ -73,12 +86,17 @@ class PackedLinear(nn.Module):
         """The dense weight [out, in]: the shared one, else unpacked (exact, costs in*in*out)."""
         if self._shared is not None:
             return self._shared
+        if self.panels:
+            return panel_linear.from_panels(self.packed_weight, self.out_features)
         identity = torch.eye(self.in_features, dtype=self.packed_weight.dtype)  # [in, in]
         return onednn_calls.onednn_inner_product(identity, self.packed_weight).t().contiguous()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2:
             raise ValueError(f"PackedLinear takes [rows, features], got shape {tuple(hidden.shape)}")
+        if self.panels:
+            product = panel_linear.panel_linear(hidden, self.packed_weight, self.out_features)
+            return product if self.bias is None else product + self.bias
         threads = torch.get_num_threads()
         if threads == self._independent_at and hidden.shape[0] >= onednn_calls.ONEDNN_MIN_ROWS:
             output: torch.Tensor | None = onednn_calls.onednn_inner_product(hidden, self.packed_weight)
@@ -120,6 +138,16 @@ def linear_shape(module: nn.Module, num_threads: int) -> KernelShape | None:
     return None
 
 
+def takes_packed_path(
+    in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
+) -> bool:
+    """Does a linear layer of this shape get packed: as panels where they apply (no check asked),
+    else where takes_onednn_path says so?"""
+    if panel_linear.panels_apply(dtype, device_type):
+        return True
+    return takes_onednn_path(in_features, out_features, dtype, device_type, num_threads)
+
+
 def takes_onednn_path(
     in_features: int, out_features: int, dtype: torch.dtype, device_type: str, num_threads: int
 ) -> bool:
@@ -141,7 +169,8 @@ def linear_checks(model: nn.Module, num_threads: int) -> list[tuple[Callable[...
     return [
         (takes_onednn_path, shape)
         for shape in shapes
-        if not is_known(onednn_calls.onednn_rows_are_independent, *shape)
+        if not panel_linear.panels_apply(shape[2], shape[3])
+        and not is_known(onednn_calls.onednn_rows_are_independent, *shape)
     ]
 
 
@@ -167,7 +196,7 @@ def checks_in_child(
 
 def warm_up_linear_layers(model: nn.Module) -> int:
     """Runs every kernel check the model's linear layers will ask for at this thread count, and
-    packs (replaces by PackedLinear) those that take oneDNN's path; returns how many layers are
+    packs (replaces by PackedLinear) those that take a packed path (takes_packed_path); returns how many layers are
     packed. The model's linear layers are RowChunkedLinear (make_batch_invariant) or already
     packed; call it again from a thread that computes with another thread count."""
     started = time.monotonic()
@@ -177,15 +206,17 @@ def warm_up_linear_layers(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             shape = linear_shape(child, num_threads)
-            if shape is None or not takes_onednn_path(*shape):
+            if shape is None or not takes_packed_path(*shape):
                 continue
             if isinstance(child, batch_invariant.RowChunkedLinear):
                 child = PackedLinear.from_linear(child, shared=id(child.weight) in embedding_weights)
                 setattr(parent, name, child)
             num_packed += 1
+    num_panels = sum(1 for module in model.modules() if isinstance(module, PackedLinear) and module.panels)
     logger.info(
-        "kernel checks at %d threads, weights packed: %d linear layers on oneDNN's path, in %.1f s",
-        num_threads, num_packed, time.monotonic() - started,
+        "kernel checks at %d threads, weights packed: %d linear layers (%d as panels, "
+        "engine/panel_linear.py; the others for oneDNN), in %.1f s",
+        num_threads, num_packed, num_panels, time.monotonic() - started,
     )  # fmt: skip
     return num_packed
 

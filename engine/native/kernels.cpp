@@ -808,6 +808,116 @@ at::Tensor rotary_write(const at::Tensor& qkv, int64_t num_heads, const at::Tens
   return query;
 }
 
+// ---- panel_linear: y = x @ W.T with W in 16-column panels, every output one fma chain over k ----
+//
+// The weight is held as panels [ceil(N / 16), K, 16]: panel p, row k holds W[16p .. 16p + 15, k]
+// (zero past N). Every output y[m, n] is acc = fma(x[m, k], W[n, k], acc) for k = 0 .. K-1 from
+// acc = 0, in that order: how rows are blocked, how panels are split between threads and how many
+// rows there are change which outputs are computed together, never an output's bits. So a row's
+// outputs do not depend on the batch (no check needed), and fusing layers (one panel set for
+// q, k and v) gives each column the bits it has alone. A register tile is up to 6 rows x 16
+// columns (12 accumulators, two 8-lane vectors a row; docs/engine.md, "Linear layers on AVX2").
+
+constexpr int64_t kPanel = 16;      // columns per panel
+constexpr int64_t kTileRows = 6;    // rows per register tile
+constexpr int64_t kBlockRows = 48;  // rows per pass over a panel: their x rows stay in L2
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The tile's accumulators are named variables: an array of them, GCC stored to the stack every k.
+template <int R>
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy) {
+#define BEAMSPLIT_TILE_ROW(r)                                                   \
+  __m256 acc##r##a = _mm256_setzero_ps(), acc##r##b = _mm256_setzero_ps();      \
+  const float* x##r = x + (R > r ? r : 0) * ldx;
+  BEAMSPLIT_TILE_ROW(0) BEAMSPLIT_TILE_ROW(1) BEAMSPLIT_TILE_ROW(2)
+  BEAMSPLIT_TILE_ROW(3) BEAMSPLIT_TILE_ROW(4) BEAMSPLIT_TILE_ROW(5)
+#undef BEAMSPLIT_TILE_ROW
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 low = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 high = _mm256_loadu_ps(panel + k * kPanel + 8);
+#define BEAMSPLIT_TILE_FMA(r)                                   \
+    if constexpr (R > r) {                                      \
+      const __m256 a = _mm256_broadcast_ss(x##r + k);           \
+      acc##r##a = _mm256_fmadd_ps(a, low, acc##r##a);           \
+      acc##r##b = _mm256_fmadd_ps(a, high, acc##r##b);          \
+    }
+    BEAMSPLIT_TILE_FMA(0) BEAMSPLIT_TILE_FMA(1) BEAMSPLIT_TILE_FMA(2)
+    BEAMSPLIT_TILE_FMA(3) BEAMSPLIT_TILE_FMA(4) BEAMSPLIT_TILE_FMA(5)
+#undef BEAMSPLIT_TILE_FMA
+  }
+#define BEAMSPLIT_TILE_STORE(r)                                 \
+  if constexpr (R > r) {                                        \
+    _mm256_storeu_ps(y + r * ldy, acc##r##a);                   \
+    _mm256_storeu_ps(y + r * ldy + 8, acc##r##b);               \
+  }
+  BEAMSPLIT_TILE_STORE(0) BEAMSPLIT_TILE_STORE(1) BEAMSPLIT_TILE_STORE(2)
+  BEAMSPLIT_TILE_STORE(3) BEAMSPLIT_TILE_STORE(4) BEAMSPLIT_TILE_STORE(5)
+#undef BEAMSPLIT_TILE_STORE
+}
+#else
+// Without AVX2 and FMA: the same chains, one output at a time (std::fma rounds once, as the
+// vector FMA does, so the bits are the same).
+template <int R>
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[r * ldx + k], panel[k * kPanel + c], acc);
+      y[r * ldy + c] = acc;
+    }
+  }
+}
+#endif
+
+// Rows [0, rows) of x against one panel, into y (ldy apart), in tiles of up to kTileRows.
+inline void panel_rows(const float* x, int64_t K, int64_t rows, const float* panel, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + kTileRows <= rows; m += kTileRows) panel_tile<6>(x + m * K, K, panel, K, y + m * ldy, ldy);
+  const float* xm = x + m * K;
+  float* ym = y + m * ldy;
+  switch (rows - m) {
+    case 5: panel_tile<5>(xm, K, panel, K, ym, ldy); break;
+    case 4: panel_tile<4>(xm, K, panel, K, ym, ldy); break;
+    case 3: panel_tile<3>(xm, K, panel, K, ym, ldy); break;
+    case 2: panel_tile<2>(xm, K, panel, K, ym, ldy); break;
+    case 1: panel_tile<1>(xm, K, panel, K, ym, ldy); break;
+    default: break;
+  }
+}
+
+// x [M, K] float32 (any row stride: made contiguous), panels [ceil(N / 16), K, 16] -> y [M, N].
+at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64_t out_features) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "panel_linear takes [rows, in] float32");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() && panels.size(2) == kPanel, "panels must be [ceil(out / 16), in, 16] contiguous float32");
+  TORCH_CHECK(panels.size(1) == input.size(1), "panels hold ", panels.size(1), " input features, the rows ", input.size(1));
+  TORCH_CHECK(0 < out_features && out_features <= panels.size(0) * kPanel && out_features > (panels.size(0) - 1) * kPanel, "out_features ", out_features, " does not fit ", panels.size(0), " panels");
+  const at::Tensor x = input.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, P = panels.size(0);
+  at::Tensor output = at::empty({M, N}, x.options());
+  if (M == 0) return output;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = output.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tail;  // the last panel's outputs when N is not a multiple of 16
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = wp + p * K * kPanel;
+      const int64_t width = std::min(kPanel, N - p * kPanel);
+      for (int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
+        const int64_t rows = std::min(kBlockRows, M - m0);
+        if (width == kPanel) {
+          panel_rows(xp + m0 * K, K, rows, panel, yp + m0 * N + p * kPanel, N);
+          continue;
+        }
+        tail.resize(rows * kPanel);
+        panel_rows(xp + m0 * K, K, rows, panel, tail.data(), kPanel);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(yp + (m0 + r) * N + p * kPanel, tail.data() + r * kPanel, width * sizeof(float));
+      }
+    }
+  });
+  return output;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(beamsplit, m) {
@@ -821,4 +931,6 @@ TORCH_LIBRARY(beamsplit, m) {
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.def("rotary_write(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) kv_layer, Tensor slot_blocks, Tensor slot_offsets) -> Tensor");
   m.impl("rotary_write", c10::DispatchKey::CPU, TORCH_FN(rotary_write));
+  m.def("panel_linear(Tensor input, Tensor panels, int out_features) -> Tensor");
+  m.impl("panel_linear", c10::DispatchKey::CPU, TORCH_FN(panel_linear));
 }

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
-from engine import onednn_calls
+from engine import onednn_calls, panel_linear
 
 NO_BFLOAT16_REASON = (
     "this CPU's oneDNN has no bfloat16 inner product (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
@@ -26,3 +27,10 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+@pytest.fixture
+def onednn_linear_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 linear layers on oneDNN's packed path, on every host: tests of that path and its
+    checks (on a CPU without AVX-512 the engine would pick the panel kernel, engine/panel_linear.py)."""
+    monkeypatch.setenv(panel_linear.KERNEL_ENV, "onednn")

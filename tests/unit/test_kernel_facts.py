@@ -15,6 +15,9 @@ import engine.packed_linear as packed_linear
 from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant, fused_projections, onednn_calls
 from engine.kernel_facts import CheckChild, KernelCheck, is_known, measure_in_child
 from engine.packed_linear import takes_onednn_path
+from tests.helpers.onednn_host import onednn_linear_layers
+
+pytestmark = pytest.mark.usefixtures(onednn_linear_layers.__name__)
 
 CHECKS: tuple[KernelCheck[..., object], ...] = (
     onednn_calls.onednn_rows_are_independent,

@@ -13,7 +13,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams, batch_invariant, one
 from engine.batch_invariant import RowChunkedLinear, invariant_linear
 from engine.models.loader import load_model
 from engine.packed_linear import PackedLinear, bytes_held, dense_weight_bytes, warm_up_linear_layers
-from tests.helpers.onednn_host import NO_BFLOAT16_REASON, onednn_packs
+from tests.helpers.onednn_host import NO_BFLOAT16_REASON, onednn_linear_layers, onednn_packs
+
+pytestmark = pytest.mark.usefixtures(onednn_linear_layers.__name__)
 
 CHECKS: tuple[Callable[..., object], ...] = (
     onednn_calls.onednn_rows_are_independent,
