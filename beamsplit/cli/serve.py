@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from beamsplit.cli import server_args
 from beamsplit.cli.help_format import DefaultsHelpFormatter
-from beamsplit.cli.thread_wait import BRIEF_SPIN_COUNT
+from beamsplit.cli.thread_wait import TURN_SPIN_COUNT
 
 # role: (module with run(args), default port, its own flags, help)
 ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | None, str]] = (
@@ -53,8 +53,8 @@ ROLES: Mapping[str, tuple[str, int, Callable[[argparse.ArgumentParser], None] | 
 WAIT_POLICY_NOTE = (
     "torch's OpenMP threads: when the host's CPUs are busy as the server starts, they sleep at "
     "barriers (OMP_WAIT_POLICY=PASSIVE; spinning measured up to 60 times slower on shared cores); "
-    f"with --shares-cores they spin briefly (GOMP_SPINCOUNT={BRIEF_SPIN_COUNT}), since the worker computes in "
-    "turns; otherwise libgomp's default (spin, then sleep) saves a wake-up per parallel region. "
+    f"with --shares-cores they spin (GOMP_SPINCOUNT={TURN_SPIN_COUNT}, ~3 ms), since the worker computes "
+    "alone in its turns; otherwise libgomp's default (spin, then sleep) saves a wake-up per parallel region. "
     "The start-up log says which; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins "
     "(docs/service.md)"
 )

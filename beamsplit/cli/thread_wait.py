@@ -14,9 +14,12 @@ So an engine server (`serve aggregated|context|generation`, `generate`) keeps li
 where its cores are its own: the host's CPUs were idle enough for its threads when it started
 (sampled from /proc/stat); otherwise PASSIVE. A worker told --shares-cores takes turns on the cores
 with the other worker (beamsplit/server/core_lease.py): it computes alone while it holds its turn,
-so its threads spin, but briefly (BRIEF_SPIN_COUNT rounds, ~0.1 ms), since the cores go to the
-other worker when its step ends; sleeping at once there made a greedy decode step 1.5x slower and
-a lone beam-4 request 1.2-1.4x slower on a 2-core VM (docs/service.md). Other commands
+so its threads spin for libgomp's default count, set explicitly (TURN_SPIN_COUNT rounds, ~3 ms):
+sleeping at once there made a greedy decode step 1.5x slower and a lone beam-4 request 1.2-1.4x
+slower on a 2-core VM, and a brief spin (10,000 rounds, until stop 39) left the generation
+worker's many short regions of a step waking its threads: 16 beam-4 requests at once 154-159 beam
+tokens/s against 181-195 (docs/service.md). The turn ends with the step; the other worker's step
+then loses at most the spin's few milliseconds of one core. Other commands
 (launchers, benchmarks, status) set PASSIVE for themselves. A value the user put in the
 environment (either variable) is always kept. A value chosen here carries CHOICE_VARIABLE beside
 it (the reason), so that a server a beamsplit command starts chooses again for itself instead of
@@ -36,8 +39,8 @@ WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
 CHOICE_VARIABLE = "BEAMSPLIT_OMP_WAIT_CHOICE"  # why beamsplit chose the policy (absent: the user's)
 SPIN_COUNT_VARIABLE = "GOMP_SPINCOUNT"  # rounds a waiting thread spins before it sleeps
 PASSIVE = "PASSIVE"
-BRIEF_SPIN = "brief spin"  # no OMP_WAIT_POLICY, GOMP_SPINCOUNT=BRIEF_SPIN_COUNT
-BRIEF_SPIN_COUNT = 10000  # libgomp counts ~100,000 rounds a millisecond
+TURN_SPIN = "spin in turns"  # no OMP_WAIT_POLICY, GOMP_SPINCOUNT=TURN_SPIN_COUNT
+TURN_SPIN_COUNT = 300000  # libgomp's default; it counts ~100,000 rounds a millisecond
 ENGINE_COMMANDS = (("serve", "aggregated"), ("serve", "context"), ("serve", "generation"), ("generate",))
 IDLE_SAMPLE_S = 0.2
 # A CPU counts as free for a thread when the host's idle CPUs, sampled over IDLE_SAMPLE_S, reach
@@ -76,12 +79,12 @@ def engine_threads(environ: MutableMapping[str, str]) -> int:
 def choose_wait_policy(
     argv: Sequence[str], environ: MutableMapping[str, str], measure_idle: Callable[[], float] = idle_cpus
 ) -> tuple[str | None, str]:
-    """(policy, why): PASSIVE, BRIEF_SPIN, or None for libgomp's default (spin, then sleep)."""
+    """(policy, why): PASSIVE, TURN_SPIN, or None for libgomp's default (spin, then sleep)."""
     words = [word for word in argv if not word.startswith("-")]
     if not any(tuple(words[: len(command)]) == command for command in ENGINE_COMMANDS):
         return PASSIVE, "not an engine server"
     if "--shares-cores" in argv:
-        return BRIEF_SPIN, "--shares-cores: turns on the cores"
+        return TURN_SPIN, "--shares-cores: turns on the cores"
     threads, idle = engine_threads(environ), measure_idle()
     if idle < threads - IDLE_SLACK_CPUS:
         return PASSIVE, f"{idle:.1f} CPUs idle at start-up for {threads} threads"
@@ -103,8 +106,8 @@ def apply_wait_policy(
     policy, why = choose_wait_policy(argv, environ, measure_idle)
     environ.pop(WAIT_POLICY_VARIABLE, None)
     environ.pop(SPIN_COUNT_VARIABLE, None)
-    if policy == BRIEF_SPIN:
-        environ[SPIN_COUNT_VARIABLE] = str(BRIEF_SPIN_COUNT)
+    if policy == TURN_SPIN:
+        environ[SPIN_COUNT_VARIABLE] = str(TURN_SPIN_COUNT)
     elif policy is not None:
         environ[WAIT_POLICY_VARIABLE] = policy
     environ[CHOICE_VARIABLE] = why

@@ -58,10 +58,11 @@ class CoreLease:
         self.turns_skipped = 0  # turns not had within the bound (the step ran without one)
 
     @contextmanager
-    def turn(self) -> Iterator[bool]:
+    def turn(self, wait_bound_s: float | None = None) -> Iterator[bool]:
         """Holds the cores for the body, once the other processes' turns in progress end; yields
-        whether the turn was had (False: the bound passed, the body runs without one)."""
-        deadline = time.monotonic() + self._wait_bound_s
+        whether the turn was had (False: the bound passed, the body runs without one). wait_bound_s:
+        this turn's bound, else the lease's."""
+        deadline = time.monotonic() + (self._wait_bound_s if wait_bound_s is None else wait_bound_s)
         held = False
         if self._take(self._gate, deadline):
             held = self._take(self._cores, deadline)

@@ -281,7 +281,8 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(
     """start_engine for a worker (loop on its own thread): the loop thread gets the process's
     torch threads and the thread that loaded the model keeps one, so the process holds one
     OpenMP pool (two made libgomp's barriers slower and every decode step with them), whether
-    the worker has its cores to itself or takes turns on them with another (a core lease)."""
+    the worker has its cores to itself or takes turns on them with another (a core lease, whose
+    turn the warm-up waits for too)."""
     import torch
 
     from beamsplit.server.core_lease import CoreLease
@@ -300,7 +301,25 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(
     )
     lease = CoreLease(tmp_path / "cores.lock", wait_bound_s=0.2) if takes_turns else None
     metrics = ServerMetrics("generation")
+    released_at = 0.0
+    if (
+        lease is not None
+    ):  # the warm-up waits for its turn (the other worker's warm-up), past the steps' bound
+        holder = CoreLease(tmp_path / "cores.lock")
+        holding = holder.turn()
+        holding.__enter__()
+
+        def release() -> None:
+            nonlocal released_at
+            time.sleep(3.0)  # the tiny model loads in well under this
+            released_at = time.monotonic()
+            holding.__exit__(None, None, None)
+            holder.close()
+
+        threading.Thread(target=release, daemon=True).start()
     handle = start_engine(config, metrics, core_lease=lease)
+    if lease is not None:
+        assert 0 < released_at <= time.monotonic()
     try:
         assert torch.get_num_threads() == 1
         assert handle.loop.call(lambda engine: torch.get_num_threads(), timeout_s=30.0) == num_threads

@@ -1,5 +1,5 @@
 """The command line's OpenMP wait policy (beamsplit/cli/thread_wait.py): PASSIVE where cores are
-busy, a brief spin for workers that take turns on shared cores, libgomp's default where an engine
+busy, libgomp's default spin set explicitly for workers that take turns on shared cores, libgomp's default where an engine
 server has its cores to itself, the user's value always kept; chosen before torch is imported so
 that libgomp reads it."""
 
@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 from beamsplit.cli.thread_wait import (
-    BRIEF_SPIN,
-    BRIEF_SPIN_COUNT,
     CHOICE_VARIABLE,
     SPIN_COUNT_VARIABLE,
+    TURN_SPIN,
+    TURN_SPIN_COUNT,
     WAIT_POLICY_VARIABLE,
     apply_wait_policy,
     choose_wait_policy,
@@ -63,7 +63,7 @@ def test_an_engine_server_spins_only_on_cores_of_its_own() -> None:
         raise AssertionError("sampled the CPUs for a worker that shares its cores")
 
     assert choose_wait_policy(["serve", "context", "--shares-cores"], two_threads, never) == (
-        BRIEF_SPIN, "--shares-cores: turns on the cores",
+        TURN_SPIN, "--shares-cores: turns on the cores",
     )  # fmt: skip
     # Launchers, benchmarks and tools: PASSIVE for themselves.
     for argv in (["demo"], ["bench", "peers"], ["status"], ["serve", "coordinator"]):
@@ -81,12 +81,12 @@ def test_a_chosen_policy_is_chosen_again_by_a_child_and_the_users_is_kept() -> N
     assert describe_wait_policy(child) == (
         "OpenMP wait policy libgomp's default (spin, then sleep) (2.0 CPUs idle at start-up for 2 threads)"
     )
-    # A worker that takes turns on shared cores spins briefly; a child of it chooses again.
+    # A worker that takes turns on shared cores spins in them; a child of it chooses again.
     worker = dict(environ, OMP_NUM_THREADS="2")
     apply_wait_policy(["serve", "generation", "--shares-cores"], worker, is_torch_loaded=False)
-    assert WAIT_POLICY_VARIABLE not in worker and worker[SPIN_COUNT_VARIABLE] == str(BRIEF_SPIN_COUNT)
+    assert WAIT_POLICY_VARIABLE not in worker and worker[SPIN_COUNT_VARIABLE] == str(TURN_SPIN_COUNT)
     assert describe_wait_policy(worker) == (
-        "OpenMP wait policy libgomp's default (spin, then sleep), GOMP_SPINCOUNT=10000 "
+        "OpenMP wait policy libgomp's default (spin, then sleep), GOMP_SPINCOUNT=300000 "
         "(--shares-cores: turns on the cores)"
     )
     apply_wait_policy(["serve", "aggregated"], worker, is_torch_loaded=False, measure_idle=lambda: 0.5)
@@ -111,5 +111,5 @@ def test_idle_cpus_is_a_fraction_of_this_hosts_cpus() -> None:
 
 def test_command_line_chooses_it_before_torch_loads() -> None:
     assert run_probe(["status"], {}) == "PASSIVE None False"
-    assert run_probe(["serve", "context", "--shares-cores"], {}) == "None 10000 False"
+    assert run_probe(["serve", "context", "--shares-cores"], {}) == "None 300000 False"
     assert run_probe(["status"], {WAIT_POLICY_VARIABLE: "ACTIVE"}) == "ACTIVE None False"
