@@ -105,15 +105,16 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
 def add_aggregated_arguments(parser: argparse.ArgumentParser) -> None:
     add_http_arguments(parser)
     add_admission_arguments(parser)
+    add_shares_cores_argument(parser)
 
 
 def add_shares_cores_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shares-cores",
         action="store_true",
-        help="another engine process (the other worker of a one-host deployment) computes on this "
-        "host's cores: take turns with it, one engine step at a time, through --core-lease-file "
-        "(the one-host launcher sets it; docs/service.md)",
+        help="other engine processes (the other worker of a one-host deployment, an aggregated "
+        "server beside them) compute on this host's cores: take turns with them, one engine step "
+        "at a time, through --core-lease-file (the one-host launcher sets it; docs/service.md)",
     )
     parser.add_argument(
         "--core-lease-file",

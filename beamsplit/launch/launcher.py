@@ -150,10 +150,10 @@ class ProcessGroup:
     processes: list[ServerProcess] = field(default_factory=list)
     ports: PortPicker = field(default_factory=PortPicker)
     tls: TlsConfig | None = None  # how health waits connect: a CA (and client cert) for TLS servers
-    # Every process here runs on this host's cores: the workers get --shares-cores and take turns
-    # on them, a step each, through a lock file of this group's (docs/service.md "The engine
-    # thread"). False where they never compute at the same time (one request at a time,
-    # bench/service.py).
+    # Every process here runs on this host's cores: the engine processes (workers and aggregated
+    # servers) get --shares-cores and take turns on them, a step each, through a lock file of this
+    # group's (docs/service.md "The engine thread"). False where they never compute at the same
+    # time (one request at a time, bench/service.py).
     workers_share_cores: bool = True
     # GiB per engine process, given as --kv-cache-gib unless its arguments size the pool themselves.
     kv_cache_gib: float = DEFAULT_LAUNCH_KV_CACHE_GIB
@@ -186,7 +186,7 @@ class ProcessGroup:
             "--port", str(port), "--metrics-port", str(metrics_port),
             *http_arguments, *arguments,
         ]  # fmt: skip
-        if role in WORKER_ROLES and self.workers_share_cores:
+        if role in ENGINE_ROLES and self.workers_share_cores:
             command += ["--shares-cores", "--core-lease-file", str(self.log_dir / "cores.lock")]
         if role in ENGINE_ROLES and not any(flag in arguments for flag in POOL_SIZING_FLAGS):
             command += ["--kv-cache-gib", str(self.kv_cache_gib)]

@@ -9,6 +9,7 @@ from beamsplit.cli.engine_args import describe_kv_pool, engine_config_from_args
 from beamsplit.cli.security_args import load_token
 from beamsplit.server.aggregated import AggregatedService
 from beamsplit.server.client_api_servicer import ClientApiServicer
+from beamsplit.server.core_lease import CoreLease
 from beamsplit.server.fault_hooks import FaultHooks
 from beamsplit.server.http_front import OpenAIFront, start_http_front
 from beamsplit.server.metrics import ServerMetrics
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         queue_limits,
         run_in_caller=True,
         step_delay_s=FaultHooks.from_environment().step_delay_s,
+        core_lease=CoreLease(args.core_lease_file) if args.shares_cores else None,
     )
     gate = ShutdownGate()
     limits = model_limits(handle.engine)

@@ -62,9 +62,9 @@ def start_engine(
     """queue_limits: bounds on the scheduler's waiting queue (the aggregated server's queue).
     run_in_caller: the loop takes commands now, and the caller's thread (which loaded the model)
     runs it later with `handle.loop.run_here()`; otherwise it starts on a thread of its own.
-    step_delay_s: the test hook of that name (FaultHooks). core_lease: another engine process (the
-    other worker of a one-host deployment) computes on the same cores: each step waits for this
-    process's turn on them (core_lease.py)."""
+    step_delay_s: the test hook of that name (FaultHooks). core_lease: other engine processes (the
+    other worker of a one-host deployment, an aggregated server beside them) compute on the same
+    cores: the warm-up and each step wait for this process's turn on them (core_lease.py)."""
     import torch
 
     from beamsplit.cli.thread_wait import describe_wait_policy
@@ -82,7 +82,8 @@ def start_engine(
         torch.set_num_threads(1)
     try:
         # One pool: the loop thread warms up (the kernel checks are for its thread count).
-        engine = LLMEngine(config, queue_limits, warm_up=not one_pool)
+        # With a core lease the warm-up waits for its turn, below.
+        engine = LLMEngine(config, queue_limits, warm_up=not one_pool and core_lease is None)
     except (OSError, ValueError) as error:  # missing files, bad checkpoints, refused formats
         raise ModelLoadError(f"cannot load --model {config.model}: {error}") from error
     config = engine.config  # the pool size is settled once the model is loaded
@@ -99,6 +100,8 @@ def start_engine(
     metrics.engine_commands.set_function(lambda: loop.num_pending_commands)
     if core_lease is not None:
         metrics.core_turns_skipped.set_function(lambda: core_lease.turns_skipped)
+    if run_in_caller and core_lease is not None:
+        _warm_up(engine, core_lease)  # the caller's thread computes: its one pool
     if not run_in_caller:
         loop.start()
         if one_pool:

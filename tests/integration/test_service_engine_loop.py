@@ -344,12 +344,13 @@ def test_a_worker_engine_thread_takes_the_torch_threads_alone_on_its_cores(
         torch.set_num_threads(before)
 
 
-def test_the_launcher_starts_workers_as_sharing_their_cores_unless_told_otherwise(
+def test_the_launcher_starts_engine_processes_as_sharing_their_cores_unless_told_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A one-host launch gives the context and generation workers --shares-cores (they take turns
-    on the same cores, through the group's lock file); the coordinator and the aggregated server
-    take no such flag; a group whose workers never compute at once (bench service) leaves it off."""
+    """A one-host launch gives the context and generation workers and an aggregated server beside
+    them (the demo's) --shares-cores (they take turns on the same cores, through the group's lock
+    file); the coordinator takes no such flag; a group whose workers never compute at once (bench
+    service) leaves it off."""
     import subprocess
 
     from beamsplit.launch import launcher
@@ -366,13 +367,12 @@ def test_the_launcher_starts_workers_as_sharing_their_cores_unless_told_otherwis
     group = launcher.ProcessGroup(log_dir)
     for role in ("context", "generation", "aggregated", "coordinator"):
         group.start(role, role, [])
-    assert "--shares-cores" in commands["context"] and "--shares-cores" in commands["generation"]
-    # Both workers take turns on one lock file, the group's own (not the host's default).
+    assert all("--shares-cores" in commands[role] for role in launcher.ENGINE_ROLES)
+    # They take turns on one lock file, the group's own (not the host's default).
     lease_files = {
-        commands[role][commands[role].index("--core-lease-file") + 1] for role in launcher.WORKER_ROLES
+        commands[role][commands[role].index("--core-lease-file") + 1] for role in launcher.ENGINE_ROLES
     }
     assert lease_files == {str(log_dir / "cores.lock")}
-    assert "--shares-cores" not in commands["aggregated"]
     assert "--shares-cores" not in commands["coordinator"]
     alone = launcher.ProcessGroup(log_dir, workers_share_cores=False)
     alone.start("generation", "generation", [])
