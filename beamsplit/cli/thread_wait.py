@@ -12,8 +12,8 @@ Which is faster depends on who else computes on the cores:
   same host idle, 32 beam-4 steps: 2.48 s spinning against 2.93 s sleeping).
 So an engine server (`serve aggregated|context|generation`, `generate`) keeps libgomp's default
 where its cores are its own: the host's CPUs were idle enough for its threads when it started
-(sampled from /proc/stat); otherwise PASSIVE. A worker told --shares-cores takes turns on the cores
-with the other worker (beamsplit/server/core_lease.py): it computes alone while it holds its turn,
+(sampled from /proc/stat); otherwise PASSIVE. An engine server told --shares-cores takes turns on
+the cores with the other engine processes (beamsplit/server/core_lease.py): it computes alone while it holds its turn,
 so its threads spin for libgomp's default count, set explicitly (TURN_SPIN_COUNT rounds, ~3 ms):
 sleeping at once there made a greedy decode step 1.5x slower and a lone beam-4 request 1.2-1.4x
 slower on a 2-core VM, and a brief spin (10,000 rounds, until stop 39) left the generation

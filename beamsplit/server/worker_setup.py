@@ -26,7 +26,7 @@ from engine.scheduler import QueueLimits
 from transfer import MemoryRegion, TransferAgent, UcxTransferAgent
 
 WARM_UP_TIMEOUT_S = 600.0  # kernel checks on the loop thread: seconds on a slow host, bounded
-WARM_UP_TURN_BOUND_S = 120.0  # the other worker's warm-up; past it this one warms up anyway
+WARM_UP_TURN_BOUND_S = 120.0  # the other engine processes' warm-ups; past it this one warms up anyway
 
 KV_REGION_NAME = "kv"
 logger = logging.getLogger(__name__)
